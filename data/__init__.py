@@ -1,0 +1,1 @@
+"""Data: loading, chat templates + loss masks, the built-in corpus, regeneration, feature cache."""

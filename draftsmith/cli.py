@@ -1,0 +1,164 @@
+"""The `draftsmith` command: one table of subcommands (train, eval, data)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from draftsmith import DraftsmithError
+
+TRAIN_HELP = """examples:
+  draftsmith train recipes/cpu/eagle-smollm2.yaml
+  draftsmith train recipes/cpu/eagle-smollm2.yaml optim.max_steps=50 run=try1
+  draftsmith train recipes/cpu/eagle-smollm2.yaml resume=true
+  accelerate launch --multi_gpu --num_processes 2 -m draftsmith.cli train RECIPE   (or ./launch.sh)"""
+
+EVAL_HELP = """examples:
+  draftsmith eval --drafter checkpoints/eagle-smollm2/final --data builtin:code-holdout
+  draftsmith eval --drafter ngram --target smollm2-135m --data holdout.jsonl --k 5
+  draftsmith eval --drafter none --data builtin:code-holdout          (target-only baseline)"""
+
+DATA_HELP = """examples:
+  draftsmith data regenerate --target smollm2-135m --data builtin:code --out data/code-regen.jsonl
+  draftsmith data features recipes/cpu/eagle-smollm2.yaml --out features/smollm2-code
+  draftsmith data corpus builtin:code --out code.jsonl"""
+
+
+def cmd_train(args) -> None:
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+
+    train(load_config(args.recipe, args.overrides))
+
+
+def cmd_eval(args) -> None:
+    from draftsmith.eval.report import format_table
+    from draftsmith.eval.run import evaluate, load_drafter
+    from draftsmith.models.common import read_drafter_meta
+    from draftsmith.models.target import ensure_pad, load_target
+
+    target_name = args.target
+    if args.drafter not in ("none", "ngram") and target_name is None:
+        target_name = read_drafter_meta(Path(args.drafter))["target"]
+    target, tok = load_target(target_name or "smollm2-135m", args.dtype)
+    ensure_pad(tok)
+    if args.drafter in ("none", "ngram"):
+        module, drafter = None, (None if args.drafter == "none" else "ngram")
+    else:
+        module, drafter = load_drafter(args.drafter, target)
+    if args.tree:
+        raise DraftsmithError("--tree: tree speculation is not implemented yet; use chain drafting (--k)")
+    out = Path(args.out) if args.out else (Path(args.drafter).parent / "eval" if module else Path("eval-" + args.drafter))
+    report = evaluate(drafter, module, target, tok, args.data, out, k=args.k, num_prompts=args.num_prompts,
+                      max_new_tokens=args.max_new_tokens, target_name=target_name or "smollm2-135m",
+                      temperature=args.temperature)
+    print(format_table([report]))
+    print(f"wrote {out}/report.json, report.md, acceptance.png")
+
+
+def cmd_regenerate(args) -> None:
+    from draftsmith.data.regenerate import regenerate
+    from draftsmith.models.target import ensure_pad, load_target
+
+    target, tok = load_target(args.target, args.dtype)
+    ensure_pad(tok)
+    out = regenerate(target, tok, args.data, Path(args.out), args.batch_size, args.max_new_tokens,
+                     args.temperature, args.max_examples)
+    print(f"wrote {out}")
+
+
+def cmd_features(args) -> None:
+    from draftsmith.data.batching import build_dataset
+    from draftsmith.data.features import write_cache
+    from draftsmith.models.registry import drafter_module
+    from draftsmith.models.target import ensure_pad, fingerprint, load_target
+    from draftsmith.train.config import load_config
+
+    cfg = load_config(args.recipe, args.overrides)
+    target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir)
+    ensure_pad(tok)
+    ds = build_dataset(cfg.data.train, tok, cfg.data.max_length, cfg.data.max_examples)
+    names = drafter_module(cfg.drafter["type"]).FEATURES
+    out = write_cache(target, ds, names, Path(args.out), fingerprint(target), tok.pad_token_id, args.batch_size)
+    print(f"wrote {out} ({len(ds)} examples); train with data.offline_features={out}")
+
+
+def cmd_corpus(args) -> None:
+    import json
+
+    from draftsmith.data.load import read_records
+
+    rows = read_records(args.name)
+    out = Path(args.out)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(out)
+    print(f"wrote {len(rows)} records to {out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="draftsmith", description="Train speculative-decoding drafters and measure their speedup.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a drafter from a YAML recipe, then run the eval stage", epilog=TRAIN_HELP, formatter_class=fmt)
+    t.add_argument("recipe", help="recipe YAML, e.g. recipes/cpu/eagle-smollm2.yaml")
+    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-4 resume=true")
+    t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", help="measure acceptance and speedup of a drafter on a holdout", epilog=EVAL_HELP, formatter_class=fmt)
+    e.add_argument("--drafter", required=True, help="a drafter folder (…/final), 'ngram' or 'none'")
+    e.add_argument("--target", help="target id/path/alias (default: the one the drafter was trained for)")
+    e.add_argument("--data", required=True, help="holdout: jsonl/json/parquet path or builtin:code-holdout")
+    e.add_argument("--k", type=int, default=5, help="draft tokens per verification pass")
+    e.add_argument("--tree", default=None, help="tree spec (not yet implemented)")
+    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--max-new-tokens", type=int, default=64)
+    e.add_argument("--num-prompts", type=int, default=20)
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    e.add_argument("--out", help="report folder (default: next to the drafter)")
+    e.set_defaults(fn=cmd_eval)
+
+    d = sub.add_parser("data", help="prepare data: regenerate answers, cache features, dump the built-in corpus", epilog=DATA_HELP, formatter_class=fmt)
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    r = dsub.add_parser("regenerate", help="the target answers the prompts (self-distillation); resumable")
+    r.add_argument("--target", default="smollm2-135m")
+    r.add_argument("--data", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--max-new-tokens", type=int, default=128)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--max-examples", type=int, default=0)
+    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    r.set_defaults(fn=cmd_regenerate)
+    f = dsub.add_parser("features", help="cache the target features a recipe's drafter trains on (bf16 safetensors)")
+    f.add_argument("recipe")
+    f.add_argument("overrides", nargs="*")
+    f.add_argument("--out", required=True)
+    f.add_argument("--batch-size", type=int, default=8)
+    f.set_defaults(fn=cmd_features)
+    c = dsub.add_parser("corpus", help="write a built-in corpus (builtin:code, builtin:prose, …-holdout) as jsonl")
+    c.add_argument("name")
+    c.add_argument("--out", required=True)
+    c.set_defaults(fn=cmd_corpus)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except DraftsmithError as e:
+        print(f"draftsmith: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("draftsmith: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Eval stage: speculative decoding engines, acceptance metrics, reports; eval/bench/ benchmarks."""

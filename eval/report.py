@@ -1,0 +1,65 @@
+"""report.json (keys fixed by design.md), report.md and acceptance.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPORT_KEYS = ("drafter", "target", "holdout", "num_prompts", "new_tokens", "temperature", "k", "tree", "tau",
+               "acceptance_rate", "per_position", "lossless", "target_tokens_per_s", "spec_tokens_per_s", "speedup")
+
+
+def format_table(reports: list[dict]) -> str:
+    head = "| drafter | k | τ | acceptance | per-position | lossless | target tok/s | spec tok/s | speedup |"
+    rows = [head, "|" + "---|" * 9]
+    for r in reports:
+        pp = " ".join(f"{p:.2f}" for p in r["per_position"]) or "-"
+        rows.append(f"| {r['drafter']} | {r['k']} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | "
+                    f"{'yes' if r['lossless'] else 'NO'} | {r['target_tokens_per_s']:.1f} | "
+                    f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
+    return "\n".join(rows)
+
+
+def _markdown(r: dict) -> str:
+    return "\n".join([
+        f"# Speculative decoding eval: {r['drafter']} vs {r['target']}", "",
+        f"Holdout `{r['holdout']}`, {r['num_prompts']} prompts, {r['new_tokens']} new tokens, "
+        f"temperature {r['temperature']}, batch size {r.get('batch_size', 1)}, chain K={r['k']}.", "",
+        format_table([r]), "",
+        "τ = tokens emitted per target verification pass (bonus token included), pooled over prompts.",
+        "Per-position acceptance j = P(draft token j accepted | tokens < j accepted).",
+        "Lossless = every output identical to target-only greedy decoding of the same prompt.", "",
+    ])
+
+
+def _plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    xs = list(range(1, len(r["per_position"]) + 1))
+    ax.bar(xs, r["per_position"], color="#3b7dd8")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accept | previous accepted)")
+    ax.set_title(f"{r['drafter']}: τ={r['tau']:.2f}, speedup {r['speedup']:.2f}x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(r: dict, out: Path) -> None:
+    """Write all three files into a temp folder, then rename it into place."""
+    import shutil
+
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "report.json").write_text(json.dumps(r, indent=2))
+    (tmp / "report.md").write_text(_markdown(r))
+    _plot(r, tmp / "acceptance.png")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)

@@ -1,0 +1,141 @@
+"""Chain speculative decoding (greedy) with KV caches for target and drafter.
+
+One round: the drafter proposes K tokens; the target verifies [last token, d_1..d_K] in one
+forward pass; the longest prefix where d_j equals the target's own argmax is accepted, plus one
+"bonus" token from the target. At temperature 0 this emits exactly target-only greedy tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class Stats:
+    """Pooled counters over all prompts (EAGLE / Spec-Bench style)."""
+
+    k: int
+    passes: int = 0          # target verification passes (the prefill pass is not counted)
+    emitted: int = 0         # tokens emitted by those passes, bonus included
+    proposed: int = 0
+    accepted: int = 0
+    reached: list[int] = field(default_factory=list)    # rounds in which draft position j was reached
+    accepted_at: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    new_tokens: int = 0      # all generated tokens (prefill token included), for tokens/s
+
+    def __post_init__(self):
+        self.reached = self.reached or [0] * self.k
+        self.accepted_at = self.accepted_at or [0] * self.k
+
+    def record(self, n_draft: int, n_accepted: int, n_emitted: int) -> None:
+        self.passes += 1
+        self.emitted += n_emitted
+        self.proposed += n_draft
+        self.accepted += n_accepted
+        # Position j is reached iff positions 0..j-1 were all accepted.
+        for j in range(min(n_accepted + 1, n_draft)):
+            self.reached[j] += 1
+            self.accepted_at[j] += int(j < n_accepted)
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / max(self.passes, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / max(self.proposed, 1)
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
+
+
+def _forward(target, ids: list[int], cache, device):
+    """Target forward over new tokens with its KV cache -> (post-norm hidden [1,T,H], logits [1,T,V])."""
+    x = torch.tensor([ids], device=device)
+    h = target.get_decoder()(input_ids=x, past_key_values=cache, use_cache=True).last_hidden_state
+    return h, target.get_output_embeddings()(h)
+
+
+@torch.no_grad()
+def target_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    """Plain greedy decoding with a KV cache: the baseline and the lossless reference."""
+    device = next(target.parameters()).device
+    cache = DynamicCache()
+    _, logits = _forward(target, prompt, cache, device)
+    out = [int(logits[0, -1].argmax())]
+    while len(out) < max_new and out[-1] not in eos:
+        _, logits = _forward(target, out[-1:], cache, device)
+        out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+@torch.no_grad()
+def speculative_greedy(target, proposer, prompt: list[int], k: int, max_new: int, eos: set[int],
+                       stats: Stats | None = None) -> list[int]:
+    device = next(target.parameters()).device
+    cache = DynamicCache()
+    h, logits = _forward(target, prompt, cache, device)
+    tokens = list(prompt) + [int(logits[0, -1].argmax())]
+    feats = h  # f_0..f_{n-2}: features of every token the target has processed (all but the last)
+    if proposer is not None:
+        proposer.reset()
+    while len(tokens) - len(prompt) < max_new and tokens[-1] not in eos:
+        draft = proposer.propose(torch.tensor([tokens], device=device), feats, k) if proposer and k else []
+        h, logits = _forward(target, tokens[-1:] + draft, cache, device)
+        preds = logits[0].argmax(-1).tolist()  # preds[j] = target's choice after draft[:j]
+        a = 0
+        while a < len(draft) and draft[a] == preds[a]:
+            a += 1
+        new = draft[:a] + [preds[a]]  # accepted drafts + the target's bonus token
+        # The target processed the last token and all K drafts; keep the last token + a accepted.
+        cache.crop(len(tokens) + a)
+        feats = torch.cat([feats, h[:, : a + 1]], dim=1)
+        budget = max_new - (len(tokens) - len(prompt))
+        new = _truncate(new[:budget], eos)
+        tokens += new
+        if stats is not None:
+            stats.record(len(draft), min(a, len(new)), len(new))
+    return tokens[len(prompt):]
+
+
+def _truncate(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+class NgramProposer:
+    """Prompt-lookup decoding (Saxena 2023): find the latest earlier occurrence of the last n
+    tokens (n = max_ngram..1) and propose the k tokens that followed it. No training, no features."""
+
+    needs_features = False
+
+    def __init__(self, max_ngram: int = 3):
+        self.max_ngram = max_ngram
+
+    def reset(self):
+        pass
+
+    def propose(self, tokens: torch.Tensor, feats, k: int) -> list[int]:
+        seq = tokens[0].tolist()
+        for n in range(min(self.max_ngram, len(seq) - 1), 0, -1):
+            tail = seq[-n:]
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start:start + n] == tail:
+                    follow = seq[start + n:start + n + k]
+                    if follow:
+                        return follow
+        return []
+
+
+def timed(fn, *args, **kwargs):
+    t = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t

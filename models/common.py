@@ -1,0 +1,76 @@
+"""Functions every drafter family shares: masks, the standalone save/load format, small checks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith import DraftsmithError
+
+FORMAT_VERSION = 1
+
+
+def causal_mask(q_len: int, kv_len: int, padding: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """Boolean attention mask [B|1, 1, q_len, kv_len]; True = may attend.
+
+    The q_len queries are the *last* q_len positions of the kv_len keys (a KV cache may hold
+    kv_len - q_len earlier positions), so query i sits at absolute position kv_len - q_len + i.
+    `padding` [B, kv_len] marks real (1) vs padded (0) keys.
+    """
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    mask = (k_pos <= q_pos)[None, None]
+    if padding is not None:
+        mask = mask & padding[:, None, None, :].bool()
+    # A fully padded query row would make softmax NaN; let it see itself (its loss is masked).
+    eye = (k_pos == q_pos)[None, None]
+    return mask | eye
+
+
+def save_drafter(module: torch.nn.Module, out: Path, meta: dict) -> Path:
+    """Write `config.json` + `model.safetensors` to a temp folder, then rename into place."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps({"draftsmith_format": FORMAT_VERSION, **meta}, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.replace(out)
+    return out
+
+
+def read_drafter_meta(path: Path) -> dict:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file() or not (path / "model.safetensors").is_file():
+        raise DraftsmithError(f"{path}: not a draftsmith drafter folder (expected config.json and model.safetensors)")
+    try:
+        meta = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftsmithError(f"{cfg_file}: invalid JSON ({e})") from None
+    for key in ("drafter", "target", "target_fingerprint", "drafter_config"):
+        if key not in meta:
+            raise DraftsmithError(f"{cfg_file}: missing key '{key}'")
+    return meta
+
+
+def load_state(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(Path(path) / "model.safetensors")
+    except Exception as e:  # safetensors raises several types for truncated files
+        raise DraftsmithError(f"{path}/model.safetensors: cannot read weights ({e})") from None
+
+
+def check_fingerprint(meta: dict, fp: str, where: str) -> None:
+    if meta["target_fingerprint"] != fp:
+        raise DraftsmithError(
+            f"{where}: drafter was trained for target '{meta['target']}' (fingerprint {meta['target_fingerprint']}), "
+            f"but the given target has fingerprint {fp}; retrain or fine-tune the drafter for this target"
+        )

@@ -1,0 +1,170 @@
+"""EAGLE-1 feature-space drafter (Li et al. 2024, "EAGLE: Speculative Sampling Requires
+Rethinking Feature Uncertainty", arXiv:2401.15077).
+
+The drafter autoregresses on the target's *features* f (post-norm last hidden states):
+
+    x_i  = fc([embed(t_{i+1}); f_i])          fc: 2H -> H, with bias
+    f̂_{i+1} = DecoderLayer(x_{0..i})           one Llama layer, no input_layernorm (as vLLM loads it)
+    logits for t_{i+2} = target.lm_head(f̂_{i+1})
+
+Embeddings and lm_head are the target's own, frozen and shared; only fc + the layer train.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from draftsmith.models.common import causal_mask
+from draftsmith.train.losses import smooth_l1_feature_loss, soft_cross_entropy
+
+NAME = "eagle"
+# Feature contract: which target tensors this family trains on. The online loop computes them
+# under no_grad; `draftsmith data features` caches exactly these (bf16, H values per token each).
+FEATURES = ("last_hidden",)
+
+
+@dataclass
+class DrafterConfig:
+    feature_loss_weight: float = 1.0
+    """Weight of SmoothL1(f̂, f) (EAGLE-1: 1.0)."""
+    token_loss_weight: float = 0.1
+    """Weight of the soft cross-entropy against the target's next-token distribution (EAGLE-1: 0.1)."""
+    feature_noise: float = 0.1
+    """Uniform noise U(-a, a) added to input features in training, so the drafter tolerates its own errors."""
+
+
+def layer_config(target_config) -> LlamaConfig:
+    """A one-layer Llama config with the target's dimensions (what vLLM/SGLang EAGLE heads use)."""
+    c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    heads = c.num_attention_heads
+    rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}
+    cfg = LlamaConfig(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(c, "num_key_value_heads", heads) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+        max_position_embeddings=getattr(c, "max_position_embeddings", 4096),
+        vocab_size=c.vocab_size,
+        rope_parameters=dict(rope),
+        num_hidden_layers=1,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class EagleDrafter(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.config = config
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        # EAGLE feeds fc's output straight into attention; vLLM's EagleLlama layer 0 has no input_layernorm.
+        self.layer.input_layernorm = nn.Identity()
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(self, features, token_embeds, position_ids, attention_mask, cache=None):
+        """features, token_embeds: [B, T, H] (pair i = f_i with embed(t_{i+1})); returns f̂ [B, T, H]."""
+        x = self.fc(torch.cat([token_embeds, features.to(token_embeds.dtype)], dim=-1))
+        pos_emb = self.rotary(x, position_ids)
+        return self.layer(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                          use_cache=cache is not None, position_embeddings=pos_emb)
+
+
+def build(cfg: DrafterConfig, target) -> EagleDrafter:
+    return EagleDrafter(layer_config(target.config))
+
+
+def rebuild(meta: dict, target) -> EagleDrafter:
+    return EagleDrafter(layer_config(target.config))
+
+
+def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig):
+    """Returns (loss_sum, n_tokens, metric_sums) over the tokens the loss mask keeps.
+
+    batch: input_ids, attention_mask, loss_mask [B, T]; feats["last_hidden"]: [B, T, H].
+    """
+    ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    f = feats["last_hidden"]
+    # EAGLE pairs feature i with token i+1: position i sees f_i and embed(t_{i+1}) and must
+    # predict f_{i+1}, whose lm_head distribution is the target's prediction of t_{i+2}.
+    f_in, f_tgt = f[:, :-1], f[:, 1:]
+    tok_in = ids[:, 1:]
+    # So the loss at position i counts iff token i+2 is a trained (assistant) token; the last
+    # position has no token i+2 and is dropped.
+    mask = torch.cat([lmask[:, 2:], torch.zeros_like(lmask[:, :1])], dim=1).float()
+    if drafter.training and cfg.feature_noise > 0:
+        f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * cfg.feature_noise
+    t = f_in.shape[1]
+    pos = torch.arange(t, device=ids.device)[None].expand(ids.shape[0], -1)
+    amask = causal_mask(t, t, attn[:, 1:], device=ids.device)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    f_hat = drafter(f_in, embed(tok_in), pos, amask)
+    sel = mask.bool()
+    pred, true = f_hat[sel], f_tgt[sel].to(f_hat.dtype)
+    ones = torch.ones(pred.shape[0], device=pred.device)
+    s_logits, t_logits = lm_head(pred), lm_head(true)
+    l_feat = smooth_l1_feature_loss(pred, true, ones)
+    l_tok = soft_cross_entropy(s_logits, t_logits, ones)
+    loss = cfg.feature_loss_weight * l_feat + cfg.token_loss_weight * l_tok
+    acc = (s_logits.argmax(-1) == t_logits.argmax(-1)).sum()
+    return loss, sel.sum(), {"feat_loss": l_feat.detach(), "token_loss": l_tok.detach(), "acc": acc.detach()}
+
+
+class Proposer:
+    """Chain drafting at inference, with the drafter's own KV cache.
+
+    The engine passes all tokens x_0..x_{n-1} and the target features f_0..f_{n-2} it has verified.
+    Pairs (f_i, x_{i+1}) for i <= n-2 are *real*; the cache keeps them across rounds. Draft steps
+    feed the drafter's own f̂ instead, and are cropped away before the next round.
+    """
+
+    needs_features = True
+
+    def __init__(self, drafter: EagleDrafter, target):
+        self.drafter, self.target = drafter.eval(), target
+        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.reset()
+
+    def reset(self):
+        self.cache, self.n_real = DynamicCache(), 0
+
+    def _run(self, feats, tokens, start):
+        t = feats.shape[1]
+        pos = torch.arange(start, start + t, device=tokens.device)[None]
+        mask = causal_mask(t, start + t, device=tokens.device)
+        return self.drafter(feats, self.embed(tokens), pos, mask, cache=self.cache)
+
+    @torch.no_grad()
+    def propose(self, tokens: torch.Tensor, feats: torch.Tensor, k: int) -> list[int]:
+        self.cache.crop(self.n_real)
+        n_feats = feats.shape[1]
+        h = self._run(feats[:, self.n_real:], tokens[:, self.n_real + 1 : n_feats + 1], self.n_real)
+        self.n_real = n_feats
+        draft: list[int] = []
+        for step in range(k):
+            f_hat = h[:, -1:]
+            nxt = self.lm_head(f_hat).argmax(-1)  # [1, 1]
+            draft.append(int(nxt))
+            if step + 1 < k:
+                # The next pair uses the drafter's own feature for the position it just predicted.
+                h = self._run(f_hat, nxt, n_feats + step)
+        return draft
+
+
+def make_proposer(drafter, target) -> Proposer:
+    return Proposer(drafter, target)
+
+
+def config_dict(cfg: DrafterConfig) -> dict:
+    return asdict(cfg)

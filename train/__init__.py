@@ -1,0 +1,1 @@
+"""Config, the shared Accelerate training loop, losses and checkpoints."""

@@ -1,0 +1,232 @@
+"""Typed configs: dataclass defaults < recipe YAML < `key=value` command-line overrides.
+
+Unknown keys are errors that name the key and the closest valid one (as SpecForge's
+`extra="forbid"` and torchtune's config checks do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from draftsmith import DraftsmithError
+
+
+@dataclass
+class DataConfig:
+    train: str = "builtin:code"
+    """Training data: a jsonl/json/parquet path, a `datasets` name, or `builtin:code` / `builtin:prose`."""
+    holdout: str = "builtin:code-holdout"
+    """Domain holdout used by the eval stage (prompts only are used)."""
+    regenerate: bool = False
+    """Replace responses with the target's own answers before training (self-distillation)."""
+    regenerate_max_new_tokens: int = 128
+    max_length: int = 256
+    """Tokens per example after the chat template; longer examples are truncated."""
+    max_examples: int = 0
+    """Keep at most this many training examples (0 = all)."""
+    group_by_length: bool = True
+    """Batch examples of similar length together to waste less compute on padding."""
+    offline_features: str = ""
+    """Folder written by `draftsmith data features`; empty = compute target features online."""
+    num_proc: int = 1
+
+
+@dataclass
+class OptimConfig:
+    batch_size: int = 4
+    """Examples per device per micro-step. Global batch = batch_size * processes * grad_accum."""
+    grad_accum: int = 1
+    epochs: float = 1.0
+    max_steps: int = 0
+    """Optimizer steps; 0 = derive from epochs."""
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    """`cosine`, `linear` or `constant` (after warmup)."""
+    clip_grad: float = 0.5
+    mixed_precision: str = "no"
+    """`no` (fp32), `bf16` or `fp16`; passed to accelerate."""
+    seed: int = 0
+
+
+@dataclass
+class EvalConfig:
+    enabled: bool = True
+    k: int = 5
+    """Draft tokens proposed per target verification pass."""
+    num_prompts: int = 20
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    tree: str | None = None
+    dtype: str = "float32"
+
+
+@dataclass
+class Config:
+    target: str = "smollm2-135m"
+    """Hub id, local folder, `.gguf` file, or the embedded alias `smollm2-135m`."""
+    drafter: dict = field(default_factory=lambda: {"type": "eagle"})
+    """`type` picks a family in models/registry.py; the other keys are that family's config."""
+    run: str = "run"
+    output_dir: str = "checkpoints"
+    save_every: int = 0
+    """Save a resumable `step-NNNNNN/` every N optimizer steps (0 = only at the end)."""
+    keep_last: int = 2
+    resume: str = "false"
+    """`false`, `true` (latest step in this run's folder) or a path to a `step-NNNNNN/` folder."""
+    log_every: int = 10
+    tracker: str = "none"
+    """`none`, `wandb` or `tensorboard` (through accelerate)."""
+    target_dtype: str = "float32"
+    cache_dir: str = ""
+    """Where the embedded target is cached as safetensors (default ~/.cache/draftsmith)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.run
+
+
+def _unknown_key(key: str, valid: list[str], where: str) -> DraftsmithError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+    return DraftsmithError(f"{where}: unknown key '{key}'{hint}")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check/convert one YAML value against a dataclass field type."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise DraftsmithError(f"{where}: expected a mapping, got {value!r}")
+        return from_dict(tp, value, where)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, (bool, int, float)):
+        return str(value).lower() if isinstance(value, bool) else str(value)
+    if origin is tuple and isinstance(value, (list, tuple)):
+        return tuple(float(v) for v in value)
+    check = origin or tp
+    if check is float and isinstance(value, str):
+        try:
+            return float(value)  # YAML reads `3e-4` as a string
+        except ValueError:
+            pass
+    if not isinstance(value, check) or (check is int and isinstance(value, bool)):
+        raise DraftsmithError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: dict, where: str = "config") -> Any:
+    """Build dataclass `cls` from a dict; unknown keys and wrong types raise DraftsmithError."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise _unknown_key(key, names, where)
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """`["optim.lr=1e-4", "drafter.noise=0"]` -> nested dict; values are parsed as YAML scalars."""
+    nested: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise DraftsmithError(f"override '{item}': expected key=value, e.g. optim.lr=1e-4")
+        key, raw = item.split("=", 1)
+        node = nested
+        *parents, leaf = key.strip().split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(raw) if raw != "" else ""
+    return nested
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise DraftsmithError(f"{path}: recipe file not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise DraftsmithError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise DraftsmithError(f"{path}: expected a mapping of config keys at the top level")
+    return data
+
+
+def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Defaults < recipe YAML < overrides. Drafter keys are validated by the drafter's own config."""
+    from draftsmith.models.registry import drafter_module
+
+    raw = read_yaml(recipe) if recipe else {}
+    raw = _merge(raw, parse_overrides(overrides or []))
+    where = str(recipe) if recipe else "config"
+    cfg = from_dict(Config, raw, where)
+    drafter = dict(cfg.drafter)
+    module = drafter_module(drafter.pop("type", "eagle"), f"{where}: drafter.type")
+    # Validate now so a typo fails before any model is loaded; keep the dict form in Config.
+    from_dict(module.DrafterConfig, drafter, f"{where}: drafter")
+    cfg.drafter = {"type": module.NAME, **drafter}
+    _validate(cfg, where)
+    return cfg
+
+
+def drafter_config(cfg: Config) -> Any:
+    from draftsmith.models.registry import drafter_module
+
+    d = dict(cfg.drafter)
+    module = drafter_module(d.pop("type"), "drafter.type")
+    return from_dict(module.DrafterConfig, d, "drafter")
+
+
+def _validate(cfg: Config, where: str) -> None:
+    checks = [
+        (cfg.optim.schedule in ("cosine", "linear", "constant"), "optim.schedule", "cosine, linear or constant"),
+        (cfg.optim.mixed_precision in ("no", "bf16", "fp16"), "optim.mixed_precision", "no, bf16 or fp16"),
+        (cfg.tracker in ("none", "wandb", "tensorboard"), "tracker", "none, wandb or tensorboard"),
+        (cfg.optim.batch_size >= 1, "optim.batch_size", "an integer >= 1"),
+        (cfg.optim.grad_accum >= 1, "optim.grad_accum", "an integer >= 1"),
+        (cfg.eval.k >= 1, "eval.k", "an integer >= 1"),
+        (cfg.data.max_length >= 8, "data.max_length", "an integer >= 8"),
+        (cfg.target_dtype in ("float32", "bfloat16"), "target_dtype", "float32 or bfloat16"),
+    ]
+    for ok, key, expected in checks:
+        if not ok:
+            raise DraftsmithError(f"{where}: {key} must be {expected}")
+
+
+def save_yaml(data: dict, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)

@@ -1,0 +1,178 @@
+"""The training loop every drafter family shares, on Accelerate.
+
+Read top to bottom: set up (target, data, drafter, optimizer), optionally resume, then one flat
+loop of micro-steps. The data order is a pure function of (seed, epoch) and each *global*
+micro-batch is cut into equal per-rank slices, so 1 process and N processes see the same global
+batches and (with losses normalised by the global token count) reach the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+import math
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm import tqdm
+from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+from draftsmith import DraftsmithError
+from draftsmith.data.batching import build_dataset, collate, epoch_batches
+from draftsmith.data.features import FeatureCache, target_features
+from draftsmith.models.common import save_drafter
+from draftsmith.models.registry import drafter_module
+from draftsmith.models.target import ensure_pad, fingerprint, load_target
+from draftsmith.train import checkpoint
+from draftsmith.train.config import Config, drafter_config, save_yaml, to_dict
+
+SCHEDULES = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup,
+             "constant": get_constant_schedule_with_warmup}
+
+
+def micro_batches(ds, cfg: Config, world: int, rank: int, epoch: int, start: int):
+    """Yield (position, batch) for this rank from global micro-batch `start` of `epoch` on.
+    Global micro-batches that cannot fill every rank are dropped (equal work on all ranks)."""
+    g = cfg.optim.batch_size * world
+    batches = [b for b in epoch_batches(ds["length"], g, cfg.optim.seed, epoch, cfg.data.group_by_length) if len(b) == g]
+    for pos in range(start, len(batches)):
+        mine = batches[pos][rank * cfg.optim.batch_size:(rank + 1) * cfg.optim.batch_size]
+        yield pos, [ds[i] for i in mine]
+
+
+def make_scheduler(cfg: Config, optimizer, total_steps: int):
+    fn = SCHEDULES[cfg.optim.schedule]
+    if cfg.optim.schedule == "constant":
+        return fn(optimizer, num_warmup_steps=cfg.optim.warmup_steps)
+    return fn(optimizer, num_warmup_steps=cfg.optim.warmup_steps, num_training_steps=total_steps)
+
+
+def train(cfg: Config) -> Path:
+    accelerator = Accelerator(mixed_precision=cfg.optim.mixed_precision,
+                              log_with=None if cfg.tracker == "none" else cfg.tracker,
+                              project_dir=str(cfg.run_dir))
+    print0 = accelerator.print  # rank-0-only output goes through this one helper
+    world, rank = accelerator.num_processes, accelerator.process_index
+    set_seed(cfg.optim.seed + rank)  # per-rank noise streams; data order is seeded separately
+    run_dir = cfg.run_dir
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_yaml(to_dict(cfg), run_dir / "resolved_config.yaml")
+
+    # --- target (frozen) and data -------------------------------------------------------------
+    module, dcfg = drafter_module(cfg.drafter["type"]), drafter_config(cfg)
+    with accelerator.main_process_first():  # rank 0 dequantizes/caches the embedded target first
+        target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir, accelerator.device)
+        ensure_pad(tok)
+        ds = build_dataset(cfg.data.train, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc)
+    fp = fingerprint(target)
+    features = (FeatureCache(cfg.data.offline_features, module.FEATURES, fp) if cfg.data.offline_features
+                else lambda batch: target_features(target, batch, module.FEATURES))
+
+    # --- drafter, optimizer, schedule ---------------------------------------------------------
+    drafter = module.build(dcfg, target).to(accelerator.device)
+    n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=cfg.optim.lr,
+                                  betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
+    per_epoch = len(ds) // (cfg.optim.batch_size * world) // cfg.optim.grad_accum
+    if per_epoch == 0 and not cfg.optim.max_steps:
+        raise DraftsmithError(f"{cfg.data.train}: {len(ds)} examples cannot fill one optimizer step "
+                              f"(global batch {cfg.optim.batch_size * world * cfg.optim.grad_accum})")
+    total = cfg.optim.max_steps or max(1, math.ceil(cfg.optim.epochs * per_epoch))
+    # The scheduler is stepped by hand once per optimizer step (accelerate's prepared scheduler
+    # would step once per process); registering it puts its state in every checkpoint.
+    scheduler = make_scheduler(cfg, optimizer, total)
+    drafter, optimizer = accelerator.prepare(drafter, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+
+    step, epoch, pos = 0, 0, 0
+    resume_from = checkpoint.find_resume(run_dir, cfg.resume)
+    if resume_from:
+        state = checkpoint.load(accelerator, resume_from)
+        step, epoch, pos = state["step"], state["epoch"], state["position"]
+        print0(f"resumed from {resume_from} at step {step}")
+    if cfg.tracker != "none":
+        accelerator.init_trackers(cfg.run, config=to_dict(cfg))
+    print0(f"drafter {module.NAME}: {n_params / 1e6:.2f}M trainable params | {len(ds)} examples | "
+           f"{total} steps | {world} process(es) | target fingerprint {fp}")
+
+    # --- the loop -------------------------------------------------------------------------------
+    bar = tqdm(total=total, initial=step, disable=not accelerator.is_local_main_process, desc="train")
+    sums, t0, micro = {}, time.perf_counter(), 0
+    last_good = checkpoint.list_steps(run_dir)[-1:] if accelerator.is_main_process else []
+    while step < total:
+        for pos, rows in micro_batches(ds, cfg, world, rank, epoch, pos):
+            batch = {k: v.to(accelerator.device) for k, v in collate(rows, tok.pad_token_id).items()}
+            sync = (micro + 1) % cfg.optim.grad_accum == 0
+            with accelerator.autocast(), (accelerator.no_sync(drafter) if not sync else nullcontext()):
+                loss_sum, n_tok, metrics = module.compute_loss(drafter, target, batch, features(batch), dcfg)
+                # Normalise by the global token count of this micro-batch (all ranks): DDP averages
+                # gradients over ranks, so multiply back by world size.
+                n_global = accelerator.reduce(n_tok.float().detach(), "sum").clamp(min=1)
+                loss = loss_sum * world / n_global / cfg.optim.grad_accum
+                if not torch.isfinite(loss):
+                    where = f"; last good checkpoint: {last_good[-1]}" if last_good else ""
+                    raise DraftsmithError(f"step {step}: loss is {loss.item()}, training stopped{where}")
+                accelerator.backward(loss)
+            for k, v in {"loss": loss_sum.detach(), "tokens": n_tok.float(), **metrics}.items():
+                sums[k] = sums.get(k, 0.0) + accelerator.reduce(v.float(), "sum").item()
+            micro += 1
+            if not sync:
+                continue
+            if cfg.optim.clip_grad > 0:
+                accelerator.clip_grad_norm_(drafter.parameters(), cfg.optim.clip_grad)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == total:
+                log = _summarise(sums, time.perf_counter() - t0, scheduler.get_last_lr()[0])
+                bar.set_postfix({k: f"{v:.3g}" for k, v in log.items() if k != "lr"})
+                accelerator.log(log, step=step)
+                if accelerator.is_main_process:
+                    with open(run_dir / "train_log.jsonl", "a") as f:
+                        f.write(json.dumps({"step": step, **log}) + "\n")
+                sums, t0 = {}, time.perf_counter()
+            if cfg.save_every and step % cfg.save_every == 0 and step < total:
+                state = {"step": step, "epoch": epoch, "position": pos + 1, "target_fingerprint": fp}
+                last_good = [checkpoint.save(accelerator, run_dir, step, state, cfg.keep_last)]
+            if step >= total:
+                break
+        else:  # epoch exhausted
+            epoch, pos = epoch + 1, 0
+            continue
+        break
+    bar.close()
+    state = {"step": step, "epoch": epoch, "position": pos + 1, "target_fingerprint": fp}
+    checkpoint.save(accelerator, run_dir, step, state, cfg.keep_last)
+    final = run_dir / "final"
+    if accelerator.is_main_process:
+        meta = {"drafter": module.NAME, "drafter_config": dict(cfg.drafter), "target": cfg.target,
+                "target_fingerprint": fp, "steps": step, "train_data": cfg.data.train}
+        save_drafter(accelerator.unwrap_model(drafter), final, meta)
+        print0(f"saved drafter to {final}")
+    accelerator.end_training()
+    if cfg.eval.enabled and accelerator.is_main_process:
+        from draftsmith.eval.run import evaluate
+
+        report = evaluate(accelerator.unwrap_model(drafter).eval(), module, target, tok, cfg.data.holdout,
+                          out=run_dir / "eval", k=cfg.eval.k, num_prompts=cfg.eval.num_prompts,
+                          max_new_tokens=cfg.eval.max_new_tokens, target_name=cfg.target,
+                          temperature=cfg.eval.temperature)
+        from draftsmith.eval.report import format_table
+
+        print0(format_table([report]))
+    accelerator.wait_for_everyone()
+    return run_dir
+
+
+def _summarise(sums: dict, seconds: float, lr: float) -> dict:
+    n = max(sums.get("tokens", 0.0), 1.0)
+    out = {"loss": sums["loss"] / n, "acc": sums.get("acc", 0.0) / n, "lr": lr, "tok_per_s": sums.get("tokens", 0.0) / max(seconds, 1e-9)}
+    out.update({k: v / n for k, v in sums.items() if k.endswith("_loss")})
+    return out
+
