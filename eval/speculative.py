@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from draftsmith.models.common import crop_cache
+
 
 @dataclass
 class Stats:
@@ -58,7 +60,7 @@ class Stats:
 def _forward(target, ids: list[int], cache, device):
     """Target forward over new tokens with its KV cache -> (post-norm hidden [1,T,H], logits [1,T,V])."""
     x = torch.tensor([ids], device=device)
-    h = target.get_decoder()(input_ids=x, past_key_values=cache, use_cache=True).last_hidden_state
+    h = target.get_decoder()(input_ids=x, cache=cache, use_cache=True).last_hidden_state
     return h, target.get_output_embeddings()(h)
 
 
@@ -94,7 +96,7 @@ def speculative_greedy(target, proposer, prompt: list[int], k: int, max_new: int
             a += 1
         new = draft[:a] + [preds[a]]  # accepted drafts + the target's bonus token
         # The target processed the last token and all K drafts; keep the last token + a accepted.
-        cache.crop(len(tokens) + a)
+        crop_cache(cache, len(tokens) + a)
         feats = torch.cat([feats, h[:, : a + 1]], dim=1)
         budget = max_new - (len(tokens) - len(prompt))
         new = _truncate(new[:budget], eos)

@@ -74,3 +74,10 @@ def check_fingerprint(meta: dict, fp: str, where: str) -> None:
             f"{where}: drafter was trained for target '{meta['target']}' (fingerprint {meta['target_fingerprint']}), "
             f"but the given target has fingerprint {fp}; retrain or fine-tune the drafter for this target"
         )
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of a transformers Cache (its `crop` takes a count to remove)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from draftsmith.models.common import causal_mask
+from draftsmith.models.common import causal_mask, crop_cache
 from draftsmith.train.losses import smooth_l1_feature_loss, soft_cross_entropy
 
 NAME = "eagle"
@@ -147,7 +147,7 @@ class Proposer:
 
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, feats: torch.Tensor, k: int) -> list[int]:
-        self.cache.crop(self.n_real)
+        crop_cache(self.cache, self.n_real)
         n_feats = feats.shape[1]
         h = self._run(feats[:, self.n_real:], tokens[:, self.n_real + 1 : n_feats + 1], self.n_real)
         self.n_real = n_feats
