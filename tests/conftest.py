@@ -1,0 +1,73 @@
+"""Tiny, hermetic fixtures: a character-level tokenizer with a chat template and randomly
+initialised Llama targets saved as local folders (no hub, no download)."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    chars = sorted(set(string.printable))
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  additional_special_tokens=SPECIALS[3:])
+    tok.chat_template = chat_template
+    return tok
+
+
+def make_target(seed: int = 0, vocab: int = 128, layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def save_target(path, seed: int = 0, chat_template: str | None = CHAT_TEMPLATE):
+    tok = make_tokenizer(chat_template)
+    make_target(seed, vocab=len(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    return save_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture(scope="session")
+def other_target_dir(tmp_path_factory):
+    return save_target(tmp_path_factory.mktemp("other-target"), seed=1)
+
+
+@pytest.fixture
+def tiny_target(tiny_target_dir):
+    from draftsmith.models.target import load_target
+
+    return load_target(str(tiny_target_dir))
+
+
+@pytest.fixture
+def chat_jsonl(tmp_path):
+    import json
+
+    rows = []
+    for i in range(48):
+        a = "".join(string.ascii_lowercase[(i * 7 + j) % 26] for j in range(20 + i % 13))
+        rows.append({"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": a}]})
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
