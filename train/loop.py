@@ -51,7 +51,9 @@ def make_scheduler(cfg: Config, optimizer, total_steps: int):
 
 
 def train(cfg: Config) -> Path:
-    accelerator = Accelerator(mixed_precision=cfg.optim.mixed_precision,
+    # Without CUDA, cpu=True makes a multi-process launch (torchrun / accelerate --multi_gpu) form a
+    # gloo process group instead of N independent single-process runs.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.optim.mixed_precision,
                               log_with=None if cfg.tracker == "none" else cfg.tracker,
                               project_dir=str(cfg.run_dir))
     print0 = accelerator.print  # rank-0-only output goes through this one helper
@@ -155,7 +157,6 @@ def train(cfg: Config) -> Path:
                 "target_fingerprint": fp, "steps": step, "train_data": cfg.data.train}
         save_drafter(accelerator.unwrap_model(drafter), final, meta)
         print0(f"saved drafter to {final}")
-    accelerator.end_training()
     if cfg.eval.enabled and accelerator.is_main_process:
         from draftsmith.eval.run import evaluate
 
@@ -167,6 +168,7 @@ def train(cfg: Config) -> Path:
 
         print0(format_table([report]))
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # also tears down the process group, so it comes last
     return run_dir
 
 

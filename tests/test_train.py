@@ -1,0 +1,134 @@
+"""The shared loop: end to end on a tiny target, resume, NaN stop, corrupt checkpoints,
+offline features, and 1 vs 2 processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from draftsmith import DraftsmithError
+from draftsmith.eval.report import REPORT_KEYS
+from draftsmith.train import checkpoint
+from draftsmith.train.config import load_config
+from draftsmith.train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _overrides(target_dir, data, out, **extra):
+    base = {"target": str(target_dir), "output_dir": str(out), "run": "r", "data.train": str(data),
+            "data.holdout": str(data), "data.max_length": 64, "optim.batch_size": 4, "optim.max_steps": 6,
+            "optim.warmup_steps": 2, "optim.lr": 1e-2, "log_every": 1, "eval.enabled": False}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _weights(run_dir):
+    return load_file(Path(run_dir) / "final" / "model.safetensors")
+
+
+def test_train_end_to_end_writes_drafter_and_eval_report(tiny_target_dir, other_target_dir, chat_jsonl, tmp_path):
+    cfg = load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{
+        "eval.enabled": True, "eval.num_prompts": 3, "eval.max_new_tokens": 12, "eval.k": 3}))
+    run = train(cfg)
+    for f in ["resolved_config.yaml", "final/config.json", "final/model.safetensors", "step-000006/trainer_state.json",
+              "eval/report.json", "eval/report.md", "eval/acceptance.png", "train_log.jsonl"]:
+        assert (run / f).is_file(), f
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert set(REPORT_KEYS) <= set(report) and report["lossless"] and report["k"] == 3
+    assert len(report["per_position"]) == 3 and 1.0 <= report["tau"] <= 4.0
+    log = [json.loads(l) for l in (run / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < log[0]["loss"]  # it learns something even in 6 steps
+    # A drafter trained for another target is refused by eval.
+    from draftsmith.eval.run import load_drafter
+    from draftsmith.models.target import load_target
+
+    other, _ = load_target(str(other_target_dir))
+    with pytest.raises(DraftsmithError, match="trained for target"):
+        load_drafter(run / "final", other)
+    mine, _ = load_target(str(tiny_target_dir))
+    module, drafter = load_drafter(run / "final", mine)  # loads standalone, without the run's config
+    assert module.NAME == "eagle"
+
+
+def test_resume_after_interruption_matches_uninterrupted(tiny_target_dir, chat_jsonl, tmp_path, monkeypatch):
+    full = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "a", save_every=3)))
+
+    real_save = checkpoint.save
+
+    def save_then_die(accelerator, run_dir, step, state, keep_last):
+        out = real_save(accelerator, run_dir, step, state, keep_last)
+        raise KeyboardInterrupt  # the process dies right after the step-3 checkpoint
+
+    monkeypatch.setattr(checkpoint, "save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "b", save_every=3)))
+    monkeypatch.setattr(checkpoint, "save", real_save)
+    assert [p.name for p in checkpoint.list_steps(tmp_path / "b" / "r")] == ["step-000003"]
+    resumed = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "b", save_every=3, resume="true")))
+    a, b = _weights(full), _weights(resumed)
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_corrupt_checkpoint_and_nan_loss_are_clear_errors(tiny_target_dir, chat_jsonl, tmp_path, monkeypatch):
+    run = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{"optim.max_steps": 2})))
+    weights = run / "step-000002" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    with pytest.raises(DraftsmithError, match="corrupt checkpoint"):
+        train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, resume="true")))
+
+    from draftsmith.models import eagle
+
+    real = eagle.compute_loss
+    calls = {"n": 0}
+
+    def nan_at_third(*args):
+        loss, n, m = real(*args)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] == 3 else loss), n, m
+
+    monkeypatch.setattr(eagle, "compute_loss", nan_at_third)
+    with pytest.raises(DraftsmithError, match=r"step 2: loss is nan.*last good checkpoint: .*step-000002"):
+        train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "nan", save_every=1)))
+    run = tmp_path / "nan" / "r"
+    assert not (run / "final").exists() and not list(run.glob("*.tmp"))
+
+
+def test_offline_features_match_online_and_cost_2H_bytes_per_token(tiny_target_dir, chat_jsonl, tmp_path):
+    from draftsmith.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"target": str(tiny_target_dir), "data": {"train": str(chat_jsonl), "max_length": 64}}))
+    assert main(["data", "features", str(recipe), "--out", str(tmp_path / "feats")]) == 0
+    index = json.loads((tmp_path / "feats" / "index.json").read_text())
+    shard_bytes = sum(os.path.getsize(tmp_path / "feats" / s["file"]) for s in index["shards"])
+    payload = index["num_tokens"] * 2 * index["hidden_size"]  # bf16, one captured layer
+    assert payload <= shard_bytes < payload * 1.1 + 20_000  # only safetensors headers on top
+    online = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "on", **{"drafter.feature_noise": 0})))
+    offline = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "off", **{
+        "drafter.feature_noise": 0, "data.offline_features": str(tmp_path / "feats")})))
+    first = [json.loads((r / "train_log.jsonl").read_text().splitlines()[0])["loss"] for r in (online, offline)]
+    assert first[0] == pytest.approx(first[1], rel=2e-2)  # bf16 cache vs fp32 online features
+
+
+def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_dir, chat_jsonl, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    common = _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{"drafter.feature_noise": 0, "optim.max_steps": 4})
+    recipe = tmp_path / "empty.yaml"
+    recipe.write_text("{}\n")
+    one = [str(recipe), *common, "run=one", "optim.batch_size=4"]
+    two = [str(recipe), *common, "run=two", "optim.batch_size=2"]
+    subprocess.run([sys.executable, "-m", "draftsmith.cli", "train", *one], check=True, env=env, cwd=ROOT)
+    launched = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                    "-m", "draftsmith.cli", "train", *two], check=True, env=env, cwd=ROOT,
+                              capture_output=True, text=True)
+    assert "2 process(es)" in launched.stdout  # really two DDP ranks, not one
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
