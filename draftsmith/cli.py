@@ -40,8 +40,9 @@ def cmd_eval(args) -> None:
     from draftsmith.models.target import ensure_pad, load_target
 
     target_name = args.target
-    if args.drafter not in ("none", "ngram") and target_name is None:
-        target_name = read_drafter_meta(Path(args.drafter))["target"]
+    if args.drafter not in ("none", "ngram"):
+        meta = read_drafter_meta(Path(args.drafter))  # fail on a bad folder before loading any model
+        target_name = target_name or meta["target"]
     target, tok = load_target(target_name or "smollm2-135m", args.dtype)
     ensure_pad(tok)
     if args.drafter in ("none", "ngram"):

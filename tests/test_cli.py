@@ -1,0 +1,69 @@
+"""The CLI contract: subcommands, one-line errors with non-zero exit, baselines."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftsmith.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "draftsmith.cli", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_help_lists_the_contract_subcommands():
+    out = _run("--help").stdout
+    for sub in ("train", "eval", "data"):
+        assert sub in out
+    assert "examples:" in _run("eval", "--help").stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "nope.yaml"], "nope.yaml: recipe file not found"),
+    (["train", "recipes/cpu/eagle-smollm2.yaml", "optim.lrr=1"], "unknown key 'lrr'; did you mean 'lr'"),
+    (["eval", "--drafter", "/nonexistent", "--data", "x.jsonl", "--target", "smollm2-135m"], "not a draftsmith drafter folder"),
+])
+def test_bad_input_is_one_line_and_nonzero(args, message):
+    r = _run(*args)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_malformed_jsonl_through_the_cli(tiny_target_dir, tmp_path, capsys):
+    bad = tmp_path / "holdout.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"prompt": \n')
+    assert main(["eval", "--drafter", "none", "--target", str(tiny_target_dir), "--data", str(bad)]) == 1
+    assert "holdout.jsonl:2: malformed JSON line" in capsys.readouterr().err
+
+
+def test_baselines_none_and_ngram(tiny_target_dir, chat_jsonl, tmp_path):
+    for drafter in ("none", "ngram"):
+        out = tmp_path / drafter
+        assert main(["eval", "--drafter", drafter, "--target", str(tiny_target_dir), "--data", str(chat_jsonl),
+                     "--num-prompts", "3", "--max-new-tokens", "10", "--out", str(out)]) == 0
+        r = json.loads((out / "report.json").read_text())
+        assert r["lossless"] and r["drafter"] == drafter and r["num_prompts"] == 3
+        if drafter == "none":
+            assert r["tau"] == 1.0 and r["per_position"] == [] and r["k"] == 0
+
+
+def test_regenerate_is_resumable(tiny_target_dir, chat_jsonl, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    partial = tmp_path / "regen.jsonl.partial"
+    # An interrupted earlier run left two finished answers and a cut line.
+    partial.write_text(json.dumps({"id": 0, "messages": [{"role": "user", "content": "say 0"},
+                                                          {"role": "assistant", "content": "KEEP"}]}) + "\n"
+                       + json.dumps({"id": 1, "messages": [{"role": "user", "content": "say 1"},
+                                                           {"role": "assistant", "content": "KEEP"}]}) + "\n" + '{"id": 2, "mess')
+    assert main(["data", "regenerate", "--target", str(tiny_target_dir), "--data", str(chat_jsonl), "--out", str(out),
+                 "--max-examples", "6", "--batch-size", "4", "--max-new-tokens", "5"]) == 0
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == list(range(6)) and not partial.exists()
+    assert rows[0]["messages"][-1]["content"] == "KEEP"  # finished work was not redone
+    assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
