@@ -103,7 +103,7 @@ def train(cfg: Config) -> Path:
 
     # --- the loop -------------------------------------------------------------------------------
     bar = tqdm(total=total, initial=step, disable=not accelerator.is_local_main_process, desc="train")
-    sums, t0, micro = {}, time.perf_counter(), 0
+    sums, t0, micro, t_start = {}, time.perf_counter(), 0, time.perf_counter()
     last_good = checkpoint.list_steps(run_dir)[-1:] if accelerator.is_main_process else []
     while step < total:
         for pos, rows in micro_batches(ds, cfg, world, rank, epoch, pos):
@@ -154,13 +154,18 @@ def train(cfg: Config) -> Path:
     final = run_dir / "final"
     if accelerator.is_main_process:
         meta = {"drafter": module.NAME, "drafter_config": dict(cfg.drafter), "target": cfg.target,
-                "target_fingerprint": fp, "steps": step, "train_data": cfg.data.train}
+                "target_fingerprint": fp, "steps": step, "train_data": cfg.data.train,
+                "train_seconds": round(time.perf_counter() - t_start, 1), "processes": world}
         save_drafter(accelerator.unwrap_model(drafter), final, meta)
         print0(f"saved drafter to {final}")
     if cfg.eval.enabled and accelerator.is_main_process:
         from draftsmith.eval.run import evaluate
 
-        report = evaluate(accelerator.unwrap_model(drafter).eval(), module, target, tok, cfg.data.holdout,
+        if cfg.eval.dtype != cfg.target_dtype:  # e.g. trained on bf16 features, evaluated in fp32
+            target, _ = load_target(cfg.target, cfg.eval.dtype, cfg.cache_dir, accelerator.device)
+        param = next(target.parameters())
+        drafter = accelerator.unwrap_model(drafter).to(param.dtype).eval()
+        report = evaluate(drafter, module, target, tok, cfg.data.holdout,
                           out=run_dir / "eval", k=cfg.eval.k, num_prompts=cfg.eval.num_prompts,
                           max_new_tokens=cfg.eval.max_new_tokens, target_name=cfg.target,
                           temperature=cfg.eval.temperature)

@@ -1,0 +1,64 @@
+"""Benchmark the quickstart drafter against target-only decoding and prompt lookup, side by side.
+
+    python -m draftsmith.eval.bench.quickstart --drafter checkpoints/eagle-smollm2/final
+
+Same process, same prompts, same target: target-only (none), n-gram prompt lookup, the trained
+drafter. Prints the eval table, speedups relative to target-only, the drafter's training time
+(recorded in its config.json), and this process's peak RSS. Optionally measures the offline
+feature cache's bytes per token (--feature-cache DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+from pathlib import Path
+
+from draftsmith.eval.report import format_table
+from draftsmith.eval.run import evaluate, load_drafter
+from draftsmith.models.target import ensure_pad, load_target
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter", default="checkpoints/eagle-smollm2/final")
+    p.add_argument("--data", default="builtin:code-holdout")
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--feature-cache", default="")
+    p.add_argument("--out", default="", help="also write the results as JSON here")
+    args = p.parse_args(argv)
+
+    meta = json.loads((Path(args.drafter) / "config.json").read_text())
+    target, tok = load_target(meta["target"])
+    ensure_pad(tok)
+    module, drafter = load_drafter(args.drafter, target)
+    common = dict(k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, target_name=meta["target"])
+    reports = [evaluate(None, None, target, tok, args.data, None, **common),
+               evaluate("ngram", None, target, tok, args.data, None, **common),
+               evaluate(drafter, module, target, tok, args.data, None, **common)]
+    print(format_table(reports))
+    base = reports[0]["spec_tokens_per_s"]
+    for r in reports[1:]:
+        print(f"{r['drafter']}: tau {r['tau']:.2f}, {r['spec_tokens_per_s'] / base:.2f}x target-only tokens/s "
+              f"(same-pass ratio {r['speedup']:.2f}x), lossless={r['lossless']}")
+    print(f"drafter training: {meta.get('train_seconds')} s over {meta.get('steps')} steps "
+          f"on {meta.get('processes', 1)} process(es)")
+    print(f"peak RSS of this eval process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    result = {"reports": reports, "train_seconds": meta.get("train_seconds")}
+    if args.feature_cache:
+        index = json.loads((Path(args.feature_cache) / "index.json").read_text())
+        size = sum(os.path.getsize(Path(args.feature_cache) / s["file"]) for s in index["shards"])
+        per = size / index["num_tokens"] / len(index["features"])
+        print(f"feature cache: {size / 2**20:.1f} MiB for {index['num_tokens']} tokens = {per:.1f} B/token/layer "
+              f"(2*H = {2 * index['hidden_size']})")
+        result["feature_bytes_per_token_per_layer"] = per
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

