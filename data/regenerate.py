@@ -45,7 +45,7 @@ def regenerate(target, tok, data: str, out: Path, batch_size: int = 8, max_new_t
         keep = [l for l in partial.read_text().splitlines() if l.strip() and _safe_id(l) in done]
         partial.write_text("".join(l + "\n" for l in keep))
     todo = [i for i in range(len(prompts)) if i not in done]
-    tok.padding_side = "left"  # generation appends on the right, so pad prompts on the left
+    side, tok.padding_side = tok.padding_side, "left"  # generation appends on the right: pad prompts on the left
     device = next(target.parameters()).device
     torch.manual_seed(seed)
     with open(partial, "a") as f:
@@ -61,6 +61,7 @@ def regenerate(target, tok, data: str, out: Path, batch_size: int = 8, max_new_t
                 msgs = prompts[i] + [{"role": "assistant", "content": answer}]
                 f.write(json.dumps({"id": i, "messages": msgs}) + "\n")
             f.flush()
+    tok.padding_side = side
     partial.replace(out)
     return out
 
@@ -70,3 +71,16 @@ def _safe_id(line: str):
         return json.loads(line)["id"]
     except (json.JSONDecodeError, KeyError):
         return None
+
+
+def cached_regeneration(target, tok, data: str, fingerprint: str, cache_dir: Path, max_examples: int,
+                        max_new_tokens: int, batch_size: int) -> Path:
+    """`data.regenerate=true` in a recipe: regenerate once per (target, data, size) and reuse it.
+    An interrupted regeneration resumes from its `.partial` file on the next run."""
+    import hashlib
+
+    key = hashlib.sha256(json.dumps([fingerprint, data, max_examples, max_new_tokens]).encode()).hexdigest()[:16]
+    out = Path(cache_dir) / "regenerated" / f"{key}.jsonl"
+    if not out.is_file():
+        regenerate(target, tok, data, out, batch_size, max_new_tokens, 0.0, max_examples)
+    return out

@@ -132,3 +132,10 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_
     assert "2 process(es)" in launched.stdout  # really two DDP ranks, not one
     a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+def test_tensorboard_tracker_writes_events(tiny_target_dir, chat_jsonl, tmp_path):
+    pytest.importorskip("tensorboard")
+    run = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, tracker="tensorboard",
+                                             **{"optim.max_steps": 2})))
+    assert list(run.rglob("events.out.tfevents.*"))

@@ -28,6 +28,7 @@ class DataConfig:
     regenerate: bool = False
     """Replace responses with the target's own answers before training (self-distillation)."""
     regenerate_max_new_tokens: int = 128
+    regenerate_batch_size: int = 32
     max_length: int = 256
     """Tokens per example after the chat template; longer examples are truncated."""
     max_examples: int = 0

@@ -25,7 +25,8 @@ from draftsmith.data.batching import build_dataset, collate, epoch_batches
 from draftsmith.data.features import FeatureCache, target_features
 from draftsmith.models.common import save_drafter
 from draftsmith.models.registry import drafter_module
-from draftsmith.models.target import ensure_pad, fingerprint, load_target
+from draftsmith.data.regenerate import cached_regeneration
+from draftsmith.models.target import cache_root, ensure_pad, fingerprint, load_target
 from draftsmith.train import checkpoint
 from draftsmith.train.config import Config, drafter_config, save_yaml, to_dict
 
@@ -69,8 +70,13 @@ def train(cfg: Config) -> Path:
     with accelerator.main_process_first():  # rank 0 dequantizes/caches the embedded target first
         target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir, accelerator.device)
         ensure_pad(tok)
-        ds = build_dataset(cfg.data.train, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc)
-    fp = fingerprint(target)
+        fp = fingerprint(target)
+        train_data = cfg.data.train
+        if cfg.data.regenerate:  # self-distillation: train on the target's own answers
+            train_data = str(cached_regeneration(target, tok, cfg.data.train, fp, cache_root(cfg.cache_dir),
+                                                 cfg.data.max_examples, cfg.data.regenerate_max_new_tokens,
+                                                 cfg.data.regenerate_batch_size))
+        ds = build_dataset(train_data, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc)
     features = (FeatureCache(cfg.data.offline_features, module.FEATURES, fp) if cfg.data.offline_features
                 else lambda batch: target_features(target, batch, module.FEATURES))
 
