@@ -33,8 +33,8 @@ def test_shortened_quickstart(smollm, tmp_path):
     from draftsmith.train.loop import train
 
     cfg = load_config(RECIPE, [
-        f"output_dir={tmp_path}", "optim.max_steps=30", "data.max_examples=160", "optim.warmup_steps=5",
-        "log_every=5", "save_every=0", "eval.num_prompts=3", "eval.max_new_tokens=24"])
+        f"output_dir={tmp_path}", "optim.max_steps=24", "data.max_examples=48", "data.regenerate_max_new_tokens=32",
+        "optim.warmup_steps=4", "log_every=4", "save_every=0", "eval.num_prompts=3", "eval.max_new_tokens=24"])
     run = train(cfg)
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["lossless"] and report["target"] == "smollm2-135m" and report["k"] == 5

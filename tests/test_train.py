@@ -94,7 +94,7 @@ def test_corrupt_checkpoint_and_nan_loss_are_clear_errors(tiny_target_dir, chat_
         return (loss * float("nan") if calls["n"] == 3 else loss), n, m
 
     monkeypatch.setattr(eagle, "compute_loss", nan_at_third)
-    with pytest.raises(DraftsmithError, match=r"step 2: loss is nan.*last good checkpoint: .*step-000002"):
+    with pytest.raises(DraftsmithError, match=r"step 2: loss is nan \(nan/inf\).*last good checkpoint: .*step-000002"):
         train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "nan", save_every=1)))
     run = tmp_path / "nan" / "r"
     assert not (run / "final").exists() and not list(run.glob("*.tmp"))
@@ -113,8 +113,12 @@ def test_offline_features_match_online_and_cost_2H_bytes_per_token(tiny_target_d
     online = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "on", **{"drafter.feature_noise": 0})))
     offline = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "off", **{
         "drafter.feature_noise": 0, "data.offline_features": str(tmp_path / "feats")})))
-    first = [json.loads((r / "train_log.jsonl").read_text().splitlines()[0])["loss"] for r in (online, offline)]
+    auto = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "auto", **{
+        "drafter.feature_noise": 0, "data.offline_features": "auto", "cache_dir": str(tmp_path / "cache")})))
+    assert len(list((tmp_path / "cache" / "features").glob("*/index.json"))) == 1
+    first = [json.loads((r / "train_log.jsonl").read_text().splitlines()[0])["loss"] for r in (online, offline, auto)]
     assert first[0] == pytest.approx(first[1], rel=2e-2)  # bf16 cache vs fp32 online features
+    assert first[1] == first[2]
 
 
 def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_dir, chat_jsonl, tmp_path):

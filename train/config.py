@@ -36,7 +36,8 @@ class DataConfig:
     group_by_length: bool = True
     """Batch examples of similar length together to waste less compute on padding."""
     offline_features: str = ""
-    """Folder written by `draftsmith data features`; empty = compute target features online."""
+    """Folder written by `draftsmith data features`; `auto` = build it once in the cache dir and reuse
+    it (one target pass over the data, then every epoch is drafter-only); empty = online features."""
     num_proc: int = 1
 
 

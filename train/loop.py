@@ -8,6 +8,7 @@ batches and (with losses normalised by the global token count) reach the same we
 
 from __future__ import annotations
 
+import hashlib
 import json
 from contextlib import nullcontext
 import math
@@ -22,7 +23,7 @@ from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_
 
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import build_dataset, collate, epoch_batches
-from draftsmith.data.features import FeatureCache, target_features
+from draftsmith.data.features import FeatureCache, target_features, write_cache
 from draftsmith.models.common import save_drafter
 from draftsmith.models.registry import drafter_module
 from draftsmith.data.regenerate import cached_regeneration
@@ -77,7 +78,13 @@ def train(cfg: Config) -> Path:
                                                  cfg.data.max_examples, cfg.data.regenerate_max_new_tokens,
                                                  cfg.data.regenerate_batch_size))
         ds = build_dataset(train_data, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc)
-    features = (FeatureCache(cfg.data.offline_features, module.FEATURES, fp) if cfg.data.offline_features
+        cache = cfg.data.offline_features
+        if cache == "auto":  # compute the cache once per (target, data, length), reuse it for every epoch and run
+            key = json.dumps([fp, train_data, cfg.data.max_length, cfg.data.max_examples, list(module.FEATURES)])
+            cache = cache_root(cfg.cache_dir) / "features" / hashlib.sha256(key.encode()).hexdigest()[:16]
+            if accelerator.is_main_process and not (cache / "index.json").is_file():
+                write_cache(target, ds, module.FEATURES, cache, fp, tok.pad_token_id)
+    features = (FeatureCache(cache, module.FEATURES, fp) if cache
                 else lambda batch: target_features(target, batch, module.FEATURES))
 
     # --- drafter, optimizer, schedule ---------------------------------------------------------
@@ -121,9 +128,10 @@ def train(cfg: Config) -> Path:
                 # gradients over ranks, so multiply back by world size.
                 n_global = accelerator.reduce(n_tok.float().detach(), "sum").clamp(min=1)
                 loss = loss_sum * world / n_global / cfg.optim.grad_accum
-                if not torch.isfinite(loss):
+                # Checked across ranks, so every rank stops together instead of hanging in all-reduce.
+                if accelerator.reduce((~torch.isfinite(loss.detach())).float(), "sum") > 0:
                     where = f"; last good checkpoint: {last_good[-1]}" if last_good else ""
-                    raise DraftsmithError(f"step {step}: loss is {loss.item()}, training stopped{where}")
+                    raise DraftsmithError(f"step {step}: loss is {loss.item()} (nan/inf), training stopped{where}")
                 accelerator.backward(loss)
             for k, v in {"loss": loss_sum.detach(), "tokens": n_tok.float(), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + accelerator.reduce(v.float(), "sum").item()
