@@ -20,15 +20,24 @@ INDEX = "index.json"
 
 
 @torch.no_grad()
-def target_features(target, batch: dict, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """The feature contract, computed online. `last_hidden` = the post-final-norm hidden state,
-    the input of the target's lm_head (what vLLM/SGLang hand EAGLE heads at serving time)."""
-    out = target.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+def target_features(target, batch: dict, names: tuple[str, ...], cache=None) -> dict[str, torch.Tensor]:
+    """The feature contract, computed online (training) or incrementally with a KV cache (eval).
+
+    - `last_hidden`: the post-final-norm hidden state, the input of the target's lm_head (what
+      vLLM/SGLang hand EAGLE heads at serving time);
+    - `hidden.N`: the output of decoder layer N (0-based), i.e. `hidden_states[N + 1]` in
+      transformers, whose entry 0 is the embedding output.
+    """
+    aux = [int(n.split(".")[1]) for n in names if n.startswith("hidden.")]
+    unknown = [n for n in names if n != "last_hidden" and not n.startswith("hidden.")]
+    if unknown:
+        raise DraftsmithError(f"feature contract: unknown target features {unknown}")
+    out = target.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                               cache=cache, use_cache=cache is not None, output_hidden_states=bool(aux))
     feats = {"last_hidden": out.last_hidden_state}
-    missing = [n for n in names if n not in feats]
-    if missing:
-        raise DraftsmithError(f"feature contract: target features {missing} are not implemented")
-    return {n: feats[n] for n in names}
+    for a in aux:
+        feats[f"hidden.{a}"] = out.hidden_states[a + 1]
+    return feats if set(names) == set(feats) else {n: feats[n] for n in names}
 
 
 def write_cache(target, dataset, names, out: Path, fingerprint: str, pad_id: int,

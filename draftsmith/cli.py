@@ -35,7 +35,7 @@ def cmd_train(args) -> None:
 
 def cmd_eval(args) -> None:
     from draftsmith.eval.report import format_table
-    from draftsmith.eval.run import evaluate, load_drafter
+    from draftsmith.eval.run import evaluate, load_drafter, make_baseline
     from draftsmith.models.common import read_drafter_meta
     from draftsmith.models.target import ensure_pad, load_target
 
@@ -45,14 +45,15 @@ def cmd_eval(args) -> None:
         target_name = target_name or meta["target"]
     target, tok = load_target(target_name or "smollm2-135m", args.dtype)
     ensure_pad(tok)
-    if args.drafter in ("none", "ngram"):
-        module, drafter = None, (None if args.drafter == "none" else "ngram")
-    else:
-        module, drafter = load_drafter(args.drafter, target)
     if args.tree:
         raise DraftsmithError("--tree: tree speculation is not implemented yet; use chain drafting (--k)")
-    out = Path(args.out) if args.out else (Path(args.drafter).parent / "eval" if module else Path("eval-" + args.drafter))
-    report = evaluate(drafter, module, target, tok, args.data, out, k=args.k, num_prompts=args.num_prompts,
+    if args.drafter in ("none", "ngram"):
+        proposer, name, out = make_baseline(args.drafter), args.drafter, Path(args.out or f"eval-{args.drafter}")
+    else:
+        module, dcfg, drafter = load_drafter(args.drafter, target)
+        proposer, name = module.make_proposer(drafter, target, dcfg), module.NAME
+        out = Path(args.out) if args.out else Path(args.drafter).parent / "eval"
+    report = evaluate(proposer, name, target, tok, args.data, out, k=args.k, num_prompts=args.num_prompts,
                       max_new_tokens=args.max_new_tokens, target_name=target_name or "smollm2-135m",
                       temperature=args.temperature)
     print(format_table([report]))
@@ -81,7 +82,9 @@ def cmd_features(args) -> None:
     target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir)
     ensure_pad(tok)
     ds = build_dataset(cfg.data.train, tok, cfg.data.max_length, cfg.data.max_examples)
-    names = drafter_module(cfg.drafter["type"]).FEATURES
+    from draftsmith.train.config import drafter_config
+
+    names = drafter_module(cfg.drafter["type"]).feature_names(drafter_config(cfg), target.config)
     out = write_cache(target, ds, names, Path(args.out), fingerprint(target), tok.pad_token_id, args.batch_size)
     print(f"wrote {out} ({len(ds)} examples); train with data.offline_features={out}")
 

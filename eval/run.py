@@ -14,34 +14,39 @@ from draftsmith.eval.speculative import NgramProposer, Stats, speculative_greedy
 from draftsmith.models.common import check_fingerprint, load_state, read_drafter_meta
 from draftsmith.models.registry import drafter_module
 from draftsmith.models.target import fingerprint
+from draftsmith.train.config import from_dict
 
 
 def load_drafter(path: str | Path, target):
-    """A saved draftsmith drafter -> (module, drafter); refuses drafters trained for another target."""
+    """A saved draftsmith drafter -> (module, drafter config, drafter); refuses drafters trained
+    for another target."""
     meta = read_drafter_meta(Path(path))
     module = drafter_module(meta["drafter"], f"{path}/config.json: drafter")
     check_fingerprint(meta, fingerprint(target), str(path))
+    cfg = from_dict(module.DrafterConfig, {k: v for k, v in meta["drafter_config"].items() if k != "type"},
+                    f"{path}/config.json: drafter_config")
     drafter = module.rebuild(meta, target)
     missing, unexpected = drafter.load_state_dict(load_state(Path(path)), strict=False)
     if missing or unexpected:
         raise DraftsmithError(f"{path}/model.safetensors: weights do not match a {meta['drafter']} drafter "
                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     param = next(target.parameters())
-    return module, drafter.to(param.device, param.dtype).eval()
+    return module, cfg, drafter.to(param.device, param.dtype).eval()
 
 
-def evaluate(drafter, module, target, tok, holdout: str, out: Path | None, k: int = 5, num_prompts: int = 20,
-             max_new_tokens: int = 64, target_name: str = "", temperature: float = 0.0,
-             drafter_name: str | None = None) -> dict:
-    """Decode each holdout prompt target-only and speculatively; measure τ, acceptance, speed."""
+def make_baseline(name: str):
+    """`none` (target-only decoding) or `ngram` (prompt lookup): no training, no checkpoint."""
+    return NgramProposer() if name == "ngram" else None
+
+
+def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k: int = 5, num_prompts: int = 20,
+             max_new_tokens: int = 64, target_name: str = "", temperature: float = 0.0) -> dict:
+    """Decode each holdout prompt target-only and speculatively; measure τ, acceptance, speed.
+    proposer: a drafter's proposer (`module.make_proposer`), an NgramProposer, or None (k becomes 0)."""
     if temperature != 0.0:
         raise DraftsmithError("eval: temperature > 0 (lossless speculative sampling) is not implemented yet; use 0")
-    if drafter == "ngram":
-        proposer, name = NgramProposer(), "ngram"
-    elif drafter is None:
-        proposer, name, k = None, "none", 0
-    else:
-        proposer, name = module.make_proposer(drafter, target), module.NAME
+    if proposer is None:
+        k = 0
     prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
     eos = {i for i in [tok.eos_token_id, getattr(target.generation_config, "eos_token_id", None)] if isinstance(i, int)}
     stats, ref_s, mismatches, ref_tokens = Stats(k=max(k, 1)), 0.0, 0, 0
@@ -58,7 +63,7 @@ def evaluate(drafter, module, target, tok, holdout: str, out: Path | None, k: in
         mismatches += int(spec != ref)
     target_tps, spec_tps = ref_tokens / ref_s, stats.new_tokens / stats.seconds
     report = {
-        "drafter": drafter_name or name, "target": target_name, "holdout": holdout,
+        "drafter": name, "target": target_name, "holdout": holdout,
         "num_prompts": len(prompts), "new_tokens": stats.new_tokens, "temperature": temperature,
         "k": k, "tree": None, "tau": round(stats.tau, 4), "acceptance_rate": round(stats.acceptance_rate, 4),
         "per_position": [round(p, 4) for p in stats.per_position] if k else [],

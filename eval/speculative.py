@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from draftsmith.data.features import target_features
 from draftsmith.models.common import crop_cache
 
 
@@ -57,11 +58,11 @@ class Stats:
         return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
 
 
-def _forward(target, ids: list[int], cache, device):
-    """Target forward over new tokens with its KV cache -> (post-norm hidden [1,T,H], logits [1,T,V])."""
+def _forward(target, ids: list[int], cache, device, names=()):
+    """Target forward over new tokens with its KV cache -> (features dict [1, T, *], logits [1, T, V])."""
     x = torch.tensor([ids], device=device)
-    h = target.get_decoder()(input_ids=x, cache=cache, use_cache=True).last_hidden_state
-    return h, target.get_output_embeddings()(h)
+    feats = target_features(target, {"input_ids": x}, tuple(names) + ("last_hidden",), cache=cache)
+    return feats, target.get_output_embeddings()(feats["last_hidden"])
 
 
 @torch.no_grad()
@@ -81,15 +82,17 @@ def target_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> lis
 def speculative_greedy(target, proposer, prompt: list[int], k: int, max_new: int, eos: set[int],
                        stats: Stats | None = None) -> list[int]:
     device = next(target.parameters()).device
+    names = getattr(proposer, "feature_names", ())
     cache = DynamicCache()
-    h, logits = _forward(target, prompt, cache, device)
+    feats, logits = _forward(target, prompt, cache, device, names)
     tokens = list(prompt) + [int(logits[0, -1].argmax())]
-    feats = h  # f_0..f_{n-2}: features of every token the target has processed (all but the last)
+    # Target features of every token the target has processed (all but the newest one).
+    feats = {n: feats[n] for n in names}
     if proposer is not None:
         proposer.reset()
     while len(tokens) - len(prompt) < max_new and tokens[-1] not in eos:
         draft = proposer.propose(torch.tensor([tokens], device=device), feats, k) if proposer and k else []
-        h, logits = _forward(target, tokens[-1:] + draft, cache, device)
+        new_feats, logits = _forward(target, tokens[-1:] + draft, cache, device, names)
         preds = logits[0].argmax(-1).tolist()  # preds[j] = target's choice after draft[:j]
         a = 0
         while a < len(draft) and draft[a] == preds[a]:
@@ -97,7 +100,7 @@ def speculative_greedy(target, proposer, prompt: list[int], k: int, max_new: int
         new = draft[:a] + [preds[a]]  # accepted drafts + the target's bonus token
         # The target processed the last token and all K drafts; keep the last token + a accepted.
         crop_cache(cache, len(tokens) + a)
-        feats = torch.cat([feats, h[:, : a + 1]], dim=1)
+        feats = {n: torch.cat([feats[n], new_feats[n][:, : a + 1]], dim=1) for n in names}
         budget = max_new - (len(tokens) - len(prompt))
         new = _truncate(new[:budget], eos)
         tokens += new
@@ -117,7 +120,7 @@ class NgramProposer:
     """Prompt-lookup decoding (Saxena 2023): find the latest earlier occurrence of the last n
     tokens (n = max_ngram..1) and propose the k tokens that followed it. No training, no features."""
 
-    needs_features = False
+    feature_names = ()
 
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram

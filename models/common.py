@@ -81,3 +81,49 @@ def crop_cache(cache, length: int) -> None:
     remove = cache.get_seq_length() - length
     if remove > 0:
         cache.crop(-remove)
+
+
+class ChainProposer:
+    """Chain drafting for feature-space drafters (EAGLE-1, EAGLE-3), with the drafter's KV cache.
+
+    The engine passes all tokens x_0..x_{n-1} and the target features of x_0..x_{n-2} (everything
+    the target has verified). Pair i = (hidden from target features at i, token x_{i+1}) is *real*
+    for i <= n-2 and stays cached across rounds. Draft steps feed the drafter's own output instead;
+    they are cropped away before the next round, when real features replace them.
+
+    to_hidden(feats) -> [1, t, H] drafter input from target features; step(hidden, embeds, pos,
+    mask, cache) -> out [1, t, H]; next_token(out [1, 1, H]) -> target token ids [1, 1].
+    """
+
+    def __init__(self, drafter, target, feature_names, to_hidden, step, next_token):
+        self.drafter = drafter.eval()
+        self.feature_names = tuple(feature_names)
+        self.embed = target.get_input_embeddings()
+        self.to_hidden, self.step, self.next_token = to_hidden, step, next_token
+        self.reset()
+
+    def reset(self):
+        from transformers import DynamicCache
+
+        self.cache, self.n_real = DynamicCache(), 0
+
+    def _run(self, hidden, tokens, start):
+        t = hidden.shape[1]
+        pos = torch.arange(start, start + t, device=tokens.device)[None]
+        return self.step(hidden, self.embed(tokens), pos, causal_mask(t, start + t, device=tokens.device), self.cache)
+
+    @torch.no_grad()
+    def propose(self, tokens: torch.Tensor, feats: dict, k: int) -> list[int]:
+        crop_cache(self.cache, self.n_real)
+        n_feats = next(iter(feats.values())).shape[1]
+        new = {name: f[:, self.n_real:] for name, f in feats.items()}
+        out = self._run(self.to_hidden(new), tokens[:, self.n_real + 1 : n_feats + 1], self.n_real)
+        self.n_real = n_feats
+        draft: list[int] = []
+        for i in range(k):
+            nxt = self.next_token(out[:, -1:])  # [1, 1] target token id
+            draft.append(int(nxt))
+            if i + 1 < k:
+                # The next pair is (own output for the position just predicted, that token).
+                out = self._run(out[:, -1:], nxt, n_feats + i)
+        return draft

@@ -12,14 +12,14 @@ Embeddings and lm_head are the target's own, frozen and shared; only fc + the la
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import DynamicCache, LlamaConfig
+from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from draftsmith.models.common import causal_mask, crop_cache
+from draftsmith.models.common import ChainProposer, causal_mask
 from draftsmith.train.losses import smooth_l1_feature_loss, soft_cross_entropy
 
 NAME = "eagle"
@@ -81,7 +81,11 @@ class EagleDrafter(nn.Module):
                           use_cache=cache is not None, position_embeddings=pos_emb)
 
 
-def build(cfg: DrafterConfig, target) -> EagleDrafter:
+def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
+    return FEATURES
+
+
+def build(cfg: DrafterConfig, target, dataset=None) -> EagleDrafter:
     return EagleDrafter(layer_config(target.config))
 
 
@@ -121,50 +125,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig):
     return loss, sel.sum(), {"feat_loss": l_feat.detach(), "token_loss": l_tok.detach(), "acc": acc.detach()}
 
 
-class Proposer:
-    """Chain drafting at inference, with the drafter's own KV cache.
-
-    The engine passes all tokens x_0..x_{n-1} and the target features f_0..f_{n-2} it has verified.
-    Pairs (f_i, x_{i+1}) for i <= n-2 are *real*; the cache keeps them across rounds. Draft steps
-    feed the drafter's own f̂ instead, and are cropped away before the next round.
-    """
-
-    needs_features = True
-
-    def __init__(self, drafter: EagleDrafter, target):
-        self.drafter, self.target = drafter.eval(), target
-        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-        self.reset()
-
-    def reset(self):
-        self.cache, self.n_real = DynamicCache(), 0
-
-    def _run(self, feats, tokens, start):
-        t = feats.shape[1]
-        pos = torch.arange(start, start + t, device=tokens.device)[None]
-        mask = causal_mask(t, start + t, device=tokens.device)
-        return self.drafter(feats, self.embed(tokens), pos, mask, cache=self.cache)
-
-    @torch.no_grad()
-    def propose(self, tokens: torch.Tensor, feats: torch.Tensor, k: int) -> list[int]:
-        crop_cache(self.cache, self.n_real)
-        n_feats = feats.shape[1]
-        h = self._run(feats[:, self.n_real:], tokens[:, self.n_real + 1 : n_feats + 1], self.n_real)
-        self.n_real = n_feats
-        draft: list[int] = []
-        for step in range(k):
-            f_hat = h[:, -1:]
-            nxt = self.lm_head(f_hat).argmax(-1)  # [1, 1]
-            draft.append(int(nxt))
-            if step + 1 < k:
-                # The next pair uses the drafter's own feature for the position it just predicted.
-                h = self._run(f_hat, nxt, n_feats + step)
-        return draft
-
-
-def make_proposer(drafter, target) -> Proposer:
-    return Proposer(drafter, target)
-
-
-def config_dict(cfg: DrafterConfig) -> dict:
-    return asdict(cfg)
+def make_proposer(drafter, target, cfg: DrafterConfig) -> ChainProposer:
+    lm_head = target.get_output_embeddings()
+    return ChainProposer(drafter, target, FEATURES, to_hidden=lambda feats: feats["last_hidden"], step=drafter,
+                         next_token=lambda f_hat: lm_head(f_hat).argmax(-1))

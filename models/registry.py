@@ -8,14 +8,15 @@ import difflib
 from types import ModuleType
 
 from draftsmith import DraftsmithError
-from draftsmith.models import eagle
+from draftsmith.models import eagle, eagle3
 
 DRAFTERS: dict[str, ModuleType] = {
     "eagle": eagle,
+    "eagle3": eagle3,
 }
 
 # What every family module provides (checked by the registry test).
-INTERFACE = ("NAME", "FEATURES", "DrafterConfig", "build", "rebuild", "compute_loss", "make_proposer")
+INTERFACE = ("NAME", "DrafterConfig", "feature_names", "build", "rebuild", "compute_loss", "make_proposer")
 
 
 def drafter_module(name: str, where: str = "drafter.type") -> ModuleType:

@@ -53,12 +53,12 @@ def test_proposer_cache_matches_a_full_recompute(tiny_target):
     target, _ = tiny_target
     torch.manual_seed(0)
     drafter = eagle.build(eagle.DrafterConfig(), target).eval()
-    proposer = eagle.make_proposer(drafter, target)
+    proposer = eagle.make_proposer(drafter, target, eagle.DrafterConfig())
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     tokens = torch.randint(5, 90, (1, 20))
     f = target_features(target, {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}, ("last_hidden",))["last_hidden"]
     for n in (8, 11, 12, 17):  # growing context, as rounds accept tokens
-        draft = proposer.propose(tokens[:, :n], f[:, : n - 1], k=3)
+        draft = proposer.propose(tokens[:, :n], {"last_hidden": f[:, : n - 1]}, k=3)
         with torch.no_grad():
             t = n - 1
             h = drafter(f[:, :t], embed(tokens[:, 1:n]), torch.arange(t)[None], causal_mask(t, t))

@@ -10,7 +10,7 @@ from draftsmith.models import eagle
 class OracleProposer:
     """A "drafter" that reads the target's own greedy continuation: the ideal drafter."""
 
-    needs_features = False
+    feature_names = ()
 
     def __init__(self, target):
         self.target = target
@@ -60,7 +60,7 @@ def test_greedy_is_lossless_with_random_eagle_and_ngram_drafters(tiny_target, se
     drafter = eagle.build(eagle.DrafterConfig(), target)
     prompt = torch.randint(5, 90, (12,)).tolist()
     ref = target_greedy(target, prompt, 40, {2})
-    for proposer in (eagle.make_proposer(drafter, target), NgramProposer(), None):
+    for proposer in (eagle.make_proposer(drafter, target, eagle.DrafterConfig()), NgramProposer(), None):
         stats = Stats(k=5)
         assert speculative_greedy(target, proposer, prompt, 5, 40, {2}, stats) == ref
         assert stats.emitted == len(ref) - 1  # every token after the prefill one came from a verification pass

@@ -53,7 +53,7 @@ def test_train_end_to_end_writes_drafter_and_eval_report(tiny_target_dir, other_
     with pytest.raises(DraftsmithError, match="trained for target"):
         load_drafter(run / "final", other)
     mine, _ = load_target(str(tiny_target_dir))
-    module, drafter = load_drafter(run / "final", mine)  # loads standalone, without the run's config
+    module, _, drafter = load_drafter(run / "final", mine)  # loads standalone, without the run's config
     assert module.NAME == "eagle"
 
 

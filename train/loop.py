@@ -78,17 +78,17 @@ def train(cfg: Config) -> Path:
                                                  cfg.data.max_examples, cfg.data.regenerate_max_new_tokens,
                                                  cfg.data.regenerate_batch_size))
         ds = build_dataset(train_data, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc)
+        names = module.feature_names(dcfg, target.config)  # the target tensors this family trains on
         cache = cfg.data.offline_features
         if cache == "auto":  # compute the cache once per (target, data, length), reuse it for every epoch and run
-            key = json.dumps([fp, train_data, cfg.data.max_length, cfg.data.max_examples, list(module.FEATURES)])
+            key = json.dumps([fp, train_data, cfg.data.max_length, cfg.data.max_examples, list(names)])
             cache = cache_root(cfg.cache_dir) / "features" / hashlib.sha256(key.encode()).hexdigest()[:16]
             if accelerator.is_main_process and not (cache / "index.json").is_file():
-                write_cache(target, ds, module.FEATURES, cache, fp, tok.pad_token_id)
-    features = (FeatureCache(cache, module.FEATURES, fp) if cache
-                else lambda batch: target_features(target, batch, module.FEATURES))
+                write_cache(target, ds, names, cache, fp, tok.pad_token_id)
+    features = (FeatureCache(cache, names, fp) if cache else lambda batch: target_features(target, batch, names))
 
     # --- drafter, optimizer, schedule ---------------------------------------------------------
-    drafter = module.build(dcfg, target).to(accelerator.device)
+    drafter = module.build(dcfg, target, ds).to(accelerator.device)
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=cfg.optim.lr,
                                   betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
@@ -110,7 +110,7 @@ def train(cfg: Config) -> Path:
         step, epoch, pos = state["step"], state["epoch"], state["position"]
         print0(f"resumed from {resume_from} at step {step}")
     if cfg.tracker != "none":
-        accelerator.init_trackers(cfg.run, config=to_dict(cfg))
+        accelerator.init_trackers(cfg.run, config=_flat(to_dict(cfg)))
     print0(f"drafter {module.NAME}: {n_params / 1e6:.2f}M trainable params | {len(ds)} examples | "
            f"{total} steps | {world} process(es) | target fingerprint {fp}")
 
@@ -179,7 +179,7 @@ def train(cfg: Config) -> Path:
             target, _ = load_target(cfg.target, cfg.eval.dtype, cfg.cache_dir, accelerator.device)
         param = next(target.parameters())
         drafter = accelerator.unwrap_model(drafter).to(param.dtype).eval()
-        report = evaluate(drafter, module, target, tok, cfg.data.holdout,
+        report = evaluate(module.make_proposer(drafter, target, dcfg), module.NAME, target, tok, cfg.data.holdout,
                           out=run_dir / "eval", k=cfg.eval.k, num_prompts=cfg.eval.num_prompts,
                           max_new_tokens=cfg.eval.max_new_tokens, target_name=cfg.target,
                           temperature=cfg.eval.temperature)
@@ -197,3 +197,13 @@ def _summarise(sums: dict, seconds: float, lr: float) -> dict:
     out.update({k: v / n for k, v in sums.items() if k.endswith("_loss")})
     return out
 
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """Nested config -> {"optim.lr": 1e-3, ...} with scalar values, as trackers' hparams want."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out

@@ -17,7 +17,7 @@ import resource
 from pathlib import Path
 
 from draftsmith.eval.report import format_table
-from draftsmith.eval.run import evaluate, load_drafter
+from draftsmith.eval.run import evaluate, load_drafter, make_baseline
 from draftsmith.models.target import ensure_pad, load_target
 
 
@@ -35,11 +35,11 @@ def main(argv=None) -> None:
     meta = json.loads((Path(args.drafter) / "config.json").read_text())
     target, tok = load_target(meta["target"])
     ensure_pad(tok)
-    module, drafter = load_drafter(args.drafter, target)
+    module, dcfg, drafter = load_drafter(args.drafter, target)
     common = dict(k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, target_name=meta["target"])
-    reports = [evaluate(None, None, target, tok, args.data, None, **common),
-               evaluate("ngram", None, target, tok, args.data, None, **common),
-               evaluate(drafter, module, target, tok, args.data, None, **common)]
+    reports = [evaluate(make_baseline("none"), "none", target, tok, args.data, None, **common),
+               evaluate(make_baseline("ngram"), "ngram", target, tok, args.data, None, **common),
+               evaluate(module.make_proposer(drafter, target, dcfg), module.NAME, target, tok, args.data, None, **common)]
     print(format_table(reports))
     base = reports[0]["spec_tokens_per_s"]
     for r in reports[1:]:

@@ -1,0 +1,203 @@
+"""EAGLE-3 drafter (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language
+Models via Training-Time Test", arXiv:2503.01840).
+
+Differences from EAGLE-1 (models/eagle.py):
+- input: hidden states of three target layers (low, mid, high) fused by fc(3H -> H, no bias);
+- the decoder layer ("midlayer") attends over [RMSNorm(embed(t)); RMSNorm(hidden)] (2H wide);
+- its own lm_head over a reduced *draft vocabulary* (the N most frequent trained target tokens),
+  with `d2t` (draft id -> target id offset) and `t2d` (target id in draft vocab?) maps;
+- training-time test (TTT): T unrolled steps, each feeding the drafter's own hidden states, with
+  loss sum_j 0.8^j * softCE_j; no feature regression loss.
+Tensor names follow the official/SGLang `LlamaForCausalLMEagle3` checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from draftsmith import DraftsmithError
+from draftsmith.models.common import ChainProposer, causal_mask
+from draftsmith.models.eagle import layer_config
+from draftsmith.train.losses import soft_cross_entropy
+
+NAME = "eagle3"
+
+
+@dataclass
+class DrafterConfig:
+    aux_layers: list | None = None
+    """0-based target decoder layers whose *outputs* are fused; default [2, L//2, L-3] (EAGLE-3)."""
+    draft_vocab_size: int = 32000
+    """Size of the drafter's own lm_head: the most frequent target tokens in the loss-masked training data."""
+    ttt_steps: int = 7
+    """Training-time-test unroll depth: step j trains the prediction j+1 tokens past the last real feature."""
+    step_decay: float = 0.8
+    """Loss weight of step j is step_decay ** j."""
+
+
+def aux_layers(cfg: DrafterConfig, target_config) -> list[int]:
+    n = target_config.num_hidden_layers
+    layers = list(cfg.aux_layers) if cfg.aux_layers else [2, n // 2, n - 3]
+    bad = [a for a in layers if not isinstance(a, int) or not 0 <= a < n]
+    if bad or len(layers) != 3:
+        raise DraftsmithError(f"drafter.aux_layers: expected 3 layer ids in [0, {n - 1}] for this target, got {layers}")
+    return layers
+
+
+def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
+    # The three fused layers, plus the last (post-norm) hidden state whose lm_head gives the
+    # target distribution the loss matches.
+    return tuple(f"hidden.{a}" for a in aux_layers(cfg, target_config)) + ("last_hidden",)
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config, draft_vocab: int, target_vocab: int, n_aux: int = 3):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.config = config
+        self.fc = nn.Linear(n_aux * h, h, bias=False)
+        self.midlayer = LlamaDecoderLayer(config, layer_idx=0)
+        attn = self.midlayer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [norm(embed); norm(hidden)]: 2H wide
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+        self.midlayer.hidden_norm = LlamaRMSNorm(h, eps=eps)
+        self.norm = LlamaRMSNorm(h, eps=eps)
+        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(target_vocab, dtype=torch.bool))
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def step(self, hidden, token_embeds, position_ids, attention_mask, cache=None):
+        """One drafter pass. hidden: fused target features or the drafter's own previous output
+        [B, T, H]; token_embeds: [B, T, H] -> output hidden [B, T, H]."""
+        layer = self.midlayer
+        x = torch.cat([layer.input_layernorm(token_embeds), layer.hidden_norm(hidden)], dim=-1)
+        attn, _ = layer.self_attn(x, position_embeddings=self.rotary(hidden, position_ids),
+                                  attention_mask=attention_mask, cache=cache)
+        h = hidden + attn  # the residual stream is the hidden state, not the embedding
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def forward(self, aux, embeds, padding, selections):
+        """The whole training-time-test unroll in one call (one forward per backward for DDP/FSDP).
+
+        aux: [B, t, 3H] target features of roots r = 0..t-1; embeds: [B, t + steps, H] embeddings of
+        tokens 1..; padding: [B, t]; selections[j] = (batch idx, root idx) whose step-j logits count.
+        Returns the draft-vocab logits of every step at its selected positions.
+        """
+        bsz, t = padding.shape
+        roots = torch.arange(t, device=padding.device)
+        hidden, cache, logits = self.fc(aux), DynamicCache(), []
+        for j, (b_idx, r_idx) in enumerate(selections):
+            # Step j of chain r: input token t_{r+j+1} at position r+j, predicting t_{r+j+2}.
+            out = self.step(hidden, embeds[:, j : j + t], (roots + j)[None].expand(bsz, -1),
+                            ttt_mask(t, j, padding), cache=cache)
+            logits.append(self.draft_logits(out[b_idx, r_idx]))
+            hidden = out  # the next step feeds the drafter's own output, as at inference
+        return logits
+
+    def draft_logits(self, out):
+        return self.lm_head(self.norm(out))
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+
+def draft_vocab(dataset, vocab: int, size: int) -> torch.Tensor:
+    """The `size` most frequent target tokens among loss-masked (trained) tokens, sorted by id.
+    Ties and unseen tokens are filled by id order, so the choice is deterministic."""
+    if size > vocab:
+        raise DraftsmithError(f"drafter.draft_vocab_size: {size} is larger than the target vocabulary ({vocab})")
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]):
+        ids = torch.tensor(ids)[torch.tensor(mask, dtype=torch.bool)]
+        counts += torch.bincount(ids, minlength=vocab)[:vocab]
+    # Stable sort on -count keeps id order among ties.
+    order = torch.sort(-counts, stable=True).indices[:size]
+    return order.sort().values
+
+
+def build(cfg: DrafterConfig, target, dataset=None) -> Eagle3Drafter:
+    tc = target.config
+    aux_layers(cfg, tc)
+    drafter = Eagle3Drafter(layer_config(tc), min(cfg.draft_vocab_size, tc.vocab_size), tc.vocab_size)
+    if dataset is not None:
+        ids = draft_vocab(dataset, tc.vocab_size, cfg.draft_vocab_size)
+        drafter.d2t.copy_(ids - torch.arange(len(ids)))  # target id = draft id + d2t[draft id]
+        drafter.t2d.zero_()
+        drafter.t2d[ids] = True
+        with torch.no_grad():  # warm start: the target's own output rows for the draft vocabulary
+            drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[ids].float())
+    return drafter
+
+
+def rebuild(meta: dict, target) -> Eagle3Drafter:
+    cfg = DrafterConfig(**{k: v for k, v in meta["drafter_config"].items() if k != "type"})
+    return build(cfg, target)
+
+
+def ttt_mask(t: int, step: int, padding: torch.Tensor) -> torch.Tensor:
+    """Attention mask [B, 1, t, t*(step+1)] for unrolled step `step` of training-time test.
+
+    Chains are indexed by their root r (the last position with a real target feature). Keys are
+    the real pairs of step 0 (block 0: causal, r' <= r) and, for steps 1..step, only the chain's own
+    earlier draft states (diagonal blocks). That is exactly what draft step `step` sees at
+    inference: the real KV cache up to r plus its own previous drafts.
+    """
+    blocks = [causal_mask(t, t, padding, device=padding.device)]
+    eye = torch.eye(t, dtype=torch.bool, device=padding.device)[None, None].expand(padding.shape[0], 1, t, t)
+    blocks += [eye] * step
+    return torch.cat(blocks, dim=-1)
+
+
+def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig):
+    """Returns (loss_sum, n_tokens, metric_sums); n_tokens counts step-0 positions.
+
+    batch: input_ids, attention_mask, loss_mask [B, T]; feats: `feature_names` -> [B, T, H].
+    """
+    ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    core = getattr(drafter, "module", drafter)  # DDP wraps the module
+    names = feature_names(cfg, target.config)
+    seq, t = ids.shape[1], ids.shape[1] - 1
+    roots = torch.arange(t, device=ids.device)
+    last = feats["last_hidden"]
+    lm_head = target.get_output_embeddings()
+    # Tokens and mask past the end are padding: those chain steps have no label and are masked.
+    ids_ext = torch.nn.functional.pad(ids, (0, cfg.ttt_steps + 1))
+    lmask_ext = torch.nn.functional.pad(lmask, (0, cfg.ttt_steps + 1))
+    selections, labels = [], []
+    with torch.no_grad():
+        for j in range(cfg.ttt_steps):
+            # Step j of chain r predicts t_{r+j+2}: counted iff that token is trained (loss mask)
+            # and exists, and its target distribution is the target's lm_head at position r+j+1 ...
+            valid = (roots + j + 2 < seq)[None] & lmask_ext[:, j + 2 : j + 2 + t].bool()
+            b_idx, r_idx = valid.nonzero(as_tuple=True)
+            t_logits = lm_head(last[b_idx, r_idx + j + 1].to(lm_head.weight.dtype)).float()
+            # ... and, as in EAGLE-3, only where the target's choice is in the draft vocabulary.
+            keep = core.t2d[t_logits.argmax(-1)]
+            selections.append((b_idx, r_idx))
+            labels.append((t_logits[:, core.t2d], keep.float()))
+    aux = torch.cat([feats[n][:, :t] for n in names if n.startswith("hidden.")], dim=-1)
+    embeds = target.get_input_embeddings()(ids_ext[:, 1:])
+    logits = drafter(aux.to(core.fc.weight.dtype), embeds, attn[:, :t], selections)
+    total, metrics = 0.0, {}
+    for j, (s_logits, (t_draft, keep)) in enumerate(zip(logits, labels)):
+        total = total + cfg.step_decay ** j * soft_cross_entropy(s_logits, t_draft, keep)
+        hits = ((s_logits.argmax(-1) == t_draft.argmax(-1)).float() * keep).sum().detach()
+        metrics["acc" if j == 0 else f"acc{j}"] = hits
+    return total, labels[0][1].sum().long(), metrics
+
+
+def make_proposer(drafter, target, cfg: DrafterConfig) -> ChainProposer:
+    names = feature_names(cfg, target.config)
+    return ChainProposer(
+        drafter, target, names,
+        to_hidden=lambda feats: drafter.fc(torch.cat([feats[n] for n in names if n.startswith("hidden.")], dim=-1)),
+        step=drafter.step,
+        next_token=lambda out: drafter.to_target_ids(drafter.draft_logits(out).argmax(-1)),
+    )
