@@ -1,4 +1,4 @@
-"""The `draftsmith` command: one table of subcommands (train, eval, data)."""
+"""The `draftsmith` command: one table of subcommands (train, eval, export, data)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ EVAL_HELP = """examples:
   draftsmith eval --drafter checkpoints/eagle-smollm2/final --data builtin:code-holdout
   draftsmith eval --drafter ngram --target smollm2-135m --data holdout.jsonl --k 5
   draftsmith eval --drafter none --data builtin:code-holdout          (target-only baseline)"""
+
+EXPORT_HELP = """examples:
+  draftsmith export checkpoints/eagle-smollm2/final --format vllm --out exports/eagle-vllm
+  draftsmith export checkpoints/eagle3-smollm2/final --format sglang --out exports/eagle3-sglang
+  draftsmith export checkpoints/eagle3-smollm2/final --format speculators --out exports/eagle3-spec"""
 
 DATA_HELP = """examples:
   draftsmith data regenerate --target smollm2-135m --data builtin:code --out data/code-regen.jsonl
@@ -58,6 +63,17 @@ def cmd_eval(args) -> None:
                       temperature=args.temperature)
     print(format_table([report]))
     print(f"wrote {out}/report.json, report.md, acceptance.png")
+
+
+def cmd_export(args) -> None:
+    from draftsmith.models.common import read_drafter_meta
+    from draftsmith.models.export import export
+    from draftsmith.models.target import load_target
+
+    meta = read_drafter_meta(Path(args.drafter))
+    target, _ = load_target(args.target or meta["target"])
+    out = export(args.drafter, target, args.format, args.out)
+    print(f"wrote {out} ({args.format} format)")
 
 
 def cmd_regenerate(args) -> None:
@@ -124,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     e.add_argument("--out", help="report folder (default: next to the drafter)")
     e.set_defaults(fn=cmd_eval)
+
+    x = sub.add_parser("export", help="write a drafter in the format vLLM / SGLang / speculators load", epilog=EXPORT_HELP, formatter_class=fmt)
+    x.add_argument("drafter", help="a drafter folder (…/final)")
+    x.add_argument("--format", required=True, choices=["vllm", "sglang", "speculators"])
+    x.add_argument("--out", required=True)
+    x.add_argument("--target", help="target to check the drafter against (default: the one it was trained for)")
+    x.set_defaults(fn=cmd_export)
 
     d = sub.add_parser("data", help="prepare data: regenerate answers, cache features, dump the built-in corpus", epilog=DATA_HELP, formatter_class=fmt)
     dsub = d.add_subparsers(dest="data_command", required=True)

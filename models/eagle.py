@@ -3,7 +3,7 @@ Rethinking Feature Uncertainty", arXiv:2401.15077).
 
 The drafter autoregresses on the target's *features* f (post-norm last hidden states):
 
-    x_i  = fc([embed(t_{i+1}); f_i])          fc: 2H -> H, with bias
+    x_i  = fc([embed(t_{i+1}); f_i])          fc: 2H -> H, no bias (vLLM's EAGLE fc has none)
     f̂_{i+1} = DecoderLayer(x_{0..i})           one Llama layer, no input_layernorm (as vLLM loads it)
     logits for t_{i+2} = target.lm_head(f̂_{i+1})
 
@@ -67,7 +67,9 @@ class EagleDrafter(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.config = config
-        self.fc = nn.Linear(2 * h, h, bias=True)
+        # The EAGLE-1 paper's fc has a bias, but vLLM's EagleLlama loads fc.weight only and skips
+        # fc.bias: without one, the exported head computes exactly what draftsmith evaluated.
+        self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = LlamaDecoderLayer(config, layer_idx=0)
         # EAGLE feeds fc's output straight into attention; vLLM's EagleLlama layer 0 has no input_layernorm.
         self.layer.input_layernorm = nn.Identity()

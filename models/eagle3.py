@@ -170,18 +170,29 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig):
     # Tokens and mask past the end are padding: those chain steps have no label and are masked.
     ids_ext = torch.nn.functional.pad(ids, (0, cfg.ttt_steps + 1))
     lmask_ext = torch.nn.functional.pad(lmask, (0, cfg.ttt_steps + 1))
-    selections, labels = [], []
     with torch.no_grad():
+        # The target's distribution at every position that is some step's label (position p is the
+        # label position of token p+1), computed once for all steps in chunks over the full vocab;
+        # only the argmax and the draft-vocab slice are kept.
+        need = lmask[:, 1:].bool()
+        nb, np_ = need.nonzero(as_tuple=True)
+        row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
+        row_of[nb, np_] = torch.arange(len(nb), device=ids.device)
+        rows = [lm_head(last[nb[c:c + 4096], np_[c:c + 4096]].to(lm_head.weight.dtype)).float()
+                for c in range(0, len(nb), 4096)]
+        full = torch.cat(rows) if rows else torch.zeros(0, core.t2d.shape[0], device=ids.device)
+        # EAGLE-3 trains only where the target's choice is in the draft vocabulary.
+        keep_all, draft_all = core.t2d[full.argmax(-1)].float(), full[:, core.t2d]
+        del full
+        selections, labels = [], []
         for j in range(cfg.ttt_steps):
-            # Step j of chain r predicts t_{r+j+2}: counted iff that token is trained (loss mask)
-            # and exists, and its target distribution is the target's lm_head at position r+j+1 ...
+            # Step j of chain r predicts t_{r+j+2}: counted iff that token exists and is trained
+            # (loss mask); its target distribution is the target's lm_head at position r+j+1.
             valid = (roots + j + 2 < seq)[None] & lmask_ext[:, j + 2 : j + 2 + t].bool()
             b_idx, r_idx = valid.nonzero(as_tuple=True)
-            t_logits = lm_head(last[b_idx, r_idx + j + 1].to(lm_head.weight.dtype)).float()
-            # ... and, as in EAGLE-3, only where the target's choice is in the draft vocabulary.
-            keep = core.t2d[t_logits.argmax(-1)]
+            r = row_of[b_idx, r_idx + j + 1]
             selections.append((b_idx, r_idx))
-            labels.append((t_logits[:, core.t2d], keep.float()))
+            labels.append((draft_all[r], keep_all[r]))
     aux = torch.cat([feats[n][:, :t] for n in names if n.startswith("hidden.")], dim=-1)
     embeds = target.get_input_embeddings()(ids_ext[:, 1:])
     logits = drafter(aux.to(core.fc.weight.dtype), embeds, attn[:, :t], selections)

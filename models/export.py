@@ -1,0 +1,129 @@
+"""Export drafters in the formats serving engines load (anchors.md, section 4), and read them back.
+
+| family | format        | loaded by                                                   |
+|--------|---------------|-------------------------------------------------------------|
+| eagle  | `vllm`/`sglang` | vLLM `EagleLlamaForCausalLM`, SGLang `LlamaForCausalLMEagle` |
+| eagle3 | `sglang`      | official EAGLE-3 / SGLang / vLLM `LlamaForCausalLMEagle3`    |
+| eagle3 | `speculators` | vLLM speculators `Eagle3Speculator`                         |
+
+Every export is written to a temp folder and renamed; `import_export` maps it back to a draftsmith
+drafter so tests can check that the exported head decodes exactly like the trained one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith import DraftsmithError
+
+FORMATS = {"eagle": ("vllm", "sglang"), "eagle3": ("sglang", "vllm", "speculators")}
+
+
+def _llama_dims(drafter) -> dict:
+    c = drafter.config
+    return {"model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "hidden_act": "silu",
+            "max_position_embeddings": c.max_position_embeddings, "rope_theta": c.rope_parameters.get("rope_theta"),
+            "rope_scaling": None, "num_hidden_layers": 1, "vocab_size": c.vocab_size}
+
+
+def _eagle1(drafter, meta: dict) -> tuple[dict, dict]:
+    state = {k.replace("layer.", "layers.0.", 1): v for k, v in drafter.state_dict().items()}
+    # SGLang's EAGLE fc has a bias; vLLM's does not (and skips fc.bias). A zero bias serves both.
+    state["fc.bias"] = torch.zeros(drafter.config.hidden_size)
+    config = {"architectures": ["LlamaForCausalLM"], **_llama_dims(drafter), "bias": False,
+              "tie_word_embeddings": False}
+    return config, state
+
+
+def _eagle3_sglang(drafter, meta: dict) -> tuple[dict, dict]:
+    state = {k: v for k, v in drafter.state_dict().items()}
+    ids = list(meta["aux_layers"])
+    config = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_dims(drafter),
+              "draft_vocab_size": drafter.lm_head.out_features, "tie_word_embeddings": False,
+              "target_hidden_size": drafter.config.hidden_size,
+              # SGLang reads the nested ids (layer outputs) and adds 1; vLLM reads top-level ids as
+              # layer *inputs* with no +1. Top-level = nested + 1 makes both tap the same layers.
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+              "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids]}
+    return config, state
+
+
+def _eagle3_speculators(drafter, meta: dict, target) -> tuple[dict, dict]:
+    state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in drafter.state_dict().items()}
+    # vLLM keeps a drafter's own embed_tokens when it differs from the target's, so ship the
+    # target's own (never random) embeddings.
+    state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
+    dims = _llama_dims(drafter)
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+              "draft_vocab_size": drafter.lm_head.out_features, "norm_before_residual": False,
+              "target_hidden_size": drafter.config.hidden_size,
+              "eagle_aux_hidden_state_layer_ids": [i + 1 for i in meta["aux_layers"]],
+              "speculators_config": {
+                  "algorithm": "eagle3", "default_proposal_method": "greedy",
+                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": meta.get("k", 5),
+                                        "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                  "verifier": {"name_or_path": meta["target"], "architectures": list(target.config.architectures or [])}},
+              "transformer_layer_config": dims}
+    return config, state
+
+
+def export(drafter_dir: str | Path, target, fmt: str, out: str | Path) -> Path:
+    from draftsmith.eval.run import load_drafter
+
+    module, cfg, drafter = load_drafter(drafter_dir, target)  # checks the target fingerprint
+    allowed = FORMATS.get(module.NAME, ())
+    if fmt not in allowed:
+        raise DraftsmithError(f"--format {fmt}: a {module.NAME} drafter exports to {', '.join(allowed) or 'nothing yet'}")
+    meta = json.loads((Path(drafter_dir) / "config.json").read_text())
+    if module.NAME == "eagle":
+        config, state = _eagle1(drafter, meta)
+    else:
+        meta = {**meta, "aux_layers": list(module.aux_layers(cfg, target.config))}
+        config, state = (_eagle3_speculators(drafter, meta, target) if fmt == "speculators"
+                         else _eagle3_sglang(drafter, meta))
+    config["draftsmith"] = {"drafter": module.NAME, "format": fmt, "target": meta["target"],
+                            "target_fingerprint": meta["target_fingerprint"], "drafter_config": meta["drafter_config"]}
+    return _write(config, state, Path(out))
+
+
+def _write(config: dict, state: dict, out: Path) -> Path:
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # Weights keep the dtype they were trained and evaluated in; engines cast on load.
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    return out
+
+
+def import_export(path: str | Path, target):
+    """An exported folder -> (module, drafter config, drafter) in draftsmith's own layout."""
+    from draftsmith.models.registry import drafter_module
+    from draftsmith.train.config import from_dict
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    info = config.get("draftsmith")
+    if not info:
+        raise DraftsmithError(f"{path}/config.json: not exported by draftsmith (no 'draftsmith' section)")
+    module = drafter_module(info["drafter"])
+    cfg = from_dict(module.DrafterConfig, {k: v for k, v in info["drafter_config"].items() if k != "type"}, str(path))
+    drafter = module.build(cfg, target)
+    state = load_file(Path(path) / "model.safetensors")
+    state.pop("fc.bias", None) if info["drafter"] == "eagle" else None
+    state.pop("embed_tokens.weight", None)
+    renames = {("eagle", "layers.0."): "layer.", ("eagle3", "layers.0."): "midlayer."}
+    state = {next((new + k[len(old):] for (fam, old), new in renames.items()
+                   if fam == info["drafter"] and k.startswith(old)), k): v for k, v in state.items()}
+    drafter.load_state_dict(state, strict=True)
+    param = next(target.parameters())
+    return module, cfg, drafter.to(param.device, param.dtype).eval()

@@ -1,0 +1,101 @@
+"""Exports carry the exact config keys and tensor names engines load, and decode like the original."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith import DraftsmithError
+from draftsmith.cli import main
+from draftsmith.eval.run import load_drafter
+from draftsmith.eval.speculative import Stats, speculative_greedy
+from draftsmith.models import eagle, eagle3
+from draftsmith.models.common import save_drafter
+from draftsmith.models.export import export, import_export
+from draftsmith.models.target import fingerprint
+
+H = 32  # tiny target hidden size
+
+
+def _save(tmp_path, module, cfg, target):
+    torch.manual_seed(0)
+    ds = {"input_ids": [list(range(5, 60))], "loss_mask": [[1] * 55]}
+    drafter = module.build(cfg, target, ds)
+    meta = {"drafter": module.NAME, "drafter_config": {"type": module.NAME, **cfg.__dict__}, "target": "tiny",
+            "target_fingerprint": fingerprint(target)}
+    return save_drafter(drafter, tmp_path / f"{module.NAME}-final", meta)
+
+
+def _same_decoding(path, exported, target):
+    prompt = list(range(10, 22))
+    runs = []
+    for loader in (lambda: load_drafter(path, target), lambda: import_export(exported, target)):
+        module, cfg, d = loader()
+        stats = Stats(k=4)
+        out = speculative_greedy(target, module.make_proposer(d, target, cfg), prompt, 4, 24, set(), stats)
+        runs.append((out, stats.accepted, stats.passes))
+    assert runs[0] == runs[1]
+
+
+def test_eagle1_vllm_sglang_format(tiny_target, tmp_path):
+    target, _ = tiny_target
+    path = _save(tmp_path, eagle, eagle.DrafterConfig(), target)
+    out = export(path, target, "vllm", tmp_path / "vllm")
+    cfg, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == 1
+    assert state["fc.weight"].shape == (H, 2 * H) and not state["fc.bias"].any()  # zero bias for SGLang
+    assert "layers.0.self_attn.q_proj.weight" in state and "layers.0.post_attention_layernorm.weight" in state
+    assert not any("input_layernorm" in k or "embed_tokens" in k or "lm_head" in k for k in state)
+    _same_decoding(path, out, target)
+
+
+def test_eagle3_sglang_format(tiny_target, tmp_path):
+    target, _ = tiny_target
+    cfg = eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=40, ttt_steps=2)
+    path = _save(tmp_path, eagle3, cfg, target)
+    assert main(["export", str(path), "--format", "sglang", "--out", str(tmp_path / "sg"), "--target",
+                 str(tiny_target[0].name_or_path)]) == 0
+    out = tmp_path / "sg"
+    c, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["model_type"] == "llama"
+    assert c["draft_vocab_size"] == 40 and c["vocab_size"] == target.config.vocab_size and not c["tie_word_embeddings"]
+    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
+    assert c["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]  # top-level = nested + 1
+    assert state["fc.weight"].shape == (H, 3 * H) and state["lm_head.weight"].shape == (40, H)
+    assert state["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * H
+    for k in ["midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
+              "midlayer.mlp.gate_proj.weight", "norm.weight"]:
+        assert k in state
+    assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
+    assert "embed_tokens.weight" not in state
+    _same_decoding(path, out, target)
+
+
+def test_eagle3_speculators_format(tiny_target, tmp_path):
+    target, _ = tiny_target
+    cfg = eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=40, ttt_steps=2)
+    path = _save(tmp_path, eagle3, cfg, target)
+    out = export(path, target, "speculators", tmp_path / "spec")
+    c, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    assert c["architectures"] == ["Eagle3Speculator"] and c["speculators_model_type"] == "eagle3"
+    sc = c["speculators_config"]
+    assert sc["algorithm"] == "eagle3" and sc["proposal_methods"][0]["speculative_tokens"] >= 1
+    assert sc["verifier"]["name_or_path"] == "tiny" and isinstance(c["transformer_layer_config"], dict)
+    assert c["norm_before_residual"] is False
+    assert "layers.0.self_attn.q_proj.weight" in state and not any(k.startswith("midlayer.") for k in state)
+    assert torch.equal(state["embed_tokens.weight"], target.get_input_embeddings().weight)  # never random
+    _same_decoding(path, out, target)
+
+
+def test_export_refuses_other_target_and_unknown_format(tiny_target, other_target_dir, tmp_path):
+    from draftsmith.models.target import load_target
+
+    target, _ = tiny_target
+    path = _save(tmp_path, eagle, eagle.DrafterConfig(), target)
+    other, _ = load_target(str(other_target_dir))
+    with pytest.raises(DraftsmithError, match="trained for target"):
+        export(path, other, "vllm", tmp_path / "x")
+    with pytest.raises(DraftsmithError, match="exports to vllm, sglang"):
+        export(path, target, "speculators", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
