@@ -60,7 +60,7 @@ def cmd_eval(args) -> None:
         out = Path(args.out) if args.out else Path(args.drafter).parent / "eval"
     report = evaluate(proposer, name, target, tok, args.data, out, k=args.k, num_prompts=args.num_prompts,
                       max_new_tokens=args.max_new_tokens, target_name=target_name or "smollm2-135m",
-                      temperature=args.temperature)
+                      temperature=args.temperature, top_p=args.top_p)
     print(format_table([report]))
     print(f"wrote {out}/report.json, report.md, acceptance.png")
 
@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data", required=True, help="holdout: jsonl/json/parquet path or builtin:code-holdout")
     e.add_argument("--k", type=int, default=5, help="draft tokens per verification pass")
     e.add_argument("--tree", default=None, help="tree spec (not yet implemented)")
-    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = lossless speculative sampling")
+    e.add_argument("--top-p", type=float, default=1.0)
     e.add_argument("--max-new-tokens", type=int, default=64)
     e.add_argument("--num-prompts", type=int, default=20)
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -128,7 +128,8 @@ class NgramProposer:
     def reset(self):
         pass
 
-    def propose(self, tokens: torch.Tensor, feats, k: int) -> list[int]:
+    def propose(self, tokens: torch.Tensor, feats, k: int, sampler=None) -> list[int]:
+        # Deterministic proposals: under sampling they count as q = one-hot (see speculative_sample).
         seq = tokens[0].tolist()
         for n in range(min(self.max_ngram, len(seq) - 1), 0, -1):
             tail = seq[-n:]
@@ -144,3 +145,92 @@ def timed(fn, *args, **kwargs):
     t = time.perf_counter()
     out = fn(*args, **kwargs)
     return out, time.perf_counter() - t
+
+
+class Sampler:
+    """Temperature + top-p warping shared by target and drafter, and seeded sampling.
+    Speculative sampling is lossless only if both sides warp their logits identically."""
+
+    def __init__(self, temperature: float, top_p: float = 1.0, seed: int = 0, device="cpu"):
+        self.temperature, self.top_p = temperature, top_p
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_p, idx = torch.sort(p, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
+            drop = sorted_p.cumsum(-1) - sorted_p >= self.top_p
+            p = p.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
+            p = p / p.sum(-1, keepdim=True)
+        return p
+
+    def sample(self, p: torch.Tensor) -> int:
+        return int(torch.multinomial(p, 1, generator=self.generator))
+
+    def accept(self, p_x: float, q_x: float) -> bool:
+        """Leviathan et al. 2023, Algorithm 1: keep draft x with probability min(1, p(x) / q(x))."""
+        u = float(torch.rand((), generator=self.generator))
+        return u * q_x < p_x  # u < p/q without dividing by a zero q
+
+    def residual(self, p: torch.Tensor, q: torch.Tensor) -> int:
+        """On rejection, sample from norm(max(0, p - q)): this makes the output exactly p."""
+        r = (p - q).clamp(min=0)
+        return self.sample(r / r.sum() if r.sum() > 0 else p)
+
+
+@torch.no_grad()
+def target_sample(target, prompt: list[int], max_new: int, eos: set[int], sampler: Sampler) -> list[int]:
+    """Plain sampling with a KV cache: the distribution speculative sampling must reproduce."""
+    device = next(target.parameters()).device
+    cache = DynamicCache()
+    _, logits = _forward(target, prompt, cache, device)
+    out = [sampler.sample(sampler.probs(logits[0, -1]))]
+    while len(out) < max_new and out[-1] not in eos:
+        _, logits = _forward(target, out[-1:], cache, device)
+        out.append(sampler.sample(sampler.probs(logits[0, -1])))
+    return out
+
+
+@torch.no_grad()
+def speculative_sample(target, proposer, prompt: list[int], k: int, max_new: int, eos: set[int],
+                       sampler: Sampler, stats: Stats | None = None) -> list[int]:
+    """Lossless speculative sampling for chains (Leviathan et al. 2023; Chen et al. 2023).
+
+    Draft j is accepted with probability min(1, p_j(x)/q_j(x)); the first rejection resamples from
+    norm(max(0, p_j - q_j)) and ends the round; if all K are accepted, a bonus token comes from p_K.
+    Proposers without a distribution (prompt lookup) count as q = one-hot on their token.
+    """
+    device = next(target.parameters()).device
+    names = getattr(proposer, "feature_names", ())
+    cache = DynamicCache()
+    feats, logits = _forward(target, prompt, cache, device, names)
+    tokens = list(prompt) + [sampler.sample(sampler.probs(logits[0, -1]))]
+    feats = {n: feats[n] for n in names}
+    if proposer is not None:
+        proposer.reset()
+    while len(tokens) - len(prompt) < max_new and tokens[-1] not in eos:
+        ctx = torch.tensor([tokens], device=device)
+        draft = proposer.propose(ctx, feats, k, sampler) if proposer and k else []
+        qs = getattr(proposer, "q", []) or [None] * len(draft)
+        new_feats, logits = _forward(target, tokens[-1:] + draft, cache, device, names)
+        p = sampler.probs(logits[0])  # p[j]: target distribution after draft[:j]
+        new = []
+        for j, x in enumerate(draft):
+            q = qs[j] if qs[j] is not None else torch.nn.functional.one_hot(torch.tensor(x), p.shape[-1]).to(p)
+            if sampler.accept(float(p[j, x]), float(q[x])):
+                new.append(x)
+                continue
+            new.append(sampler.residual(p[j], q))
+            break
+        else:
+            new.append(sampler.sample(p[len(draft)]))
+        a = len(new) - 1  # accepted drafts; the last token is the resample or the bonus
+        crop_cache(cache, len(tokens) + a)
+        feats = {n: torch.cat([feats[n], new_feats[n][:, : a + 1]], dim=1) for n in names}
+        budget = max_new - (len(tokens) - len(prompt))
+        new = _truncate(new[:budget], eos)
+        tokens += new
+        if stats is not None:
+            stats.record(len(draft), min(a, len(new)), len(new))
+    return tokens[len(prompt):]

@@ -92,20 +92,22 @@ class ChainProposer:
     they are cropped away before the next round, when real features replace them.
 
     to_hidden(feats) -> [1, t, H] drafter input from target features; step(hidden, embeds, pos,
-    mask, cache) -> out [1, t, H]; next_token(out [1, 1, H]) -> target token ids [1, 1].
+    mask, cache) -> out [1, t, H]; logits(out [1, 1, H]) -> logits over the *target* vocabulary.
+    With a `sampler` (temperature > 0), drafts are sampled and their distributions kept in `self.q`
+    for the rejection rule; otherwise drafts are the argmax.
     """
 
-    def __init__(self, drafter, target, feature_names, to_hidden, step, next_token):
+    def __init__(self, drafter, target, feature_names, to_hidden, step, logits):
         self.drafter = drafter.eval()
         self.feature_names = tuple(feature_names)
         self.embed = target.get_input_embeddings()
-        self.to_hidden, self.step, self.next_token = to_hidden, step, next_token
+        self.to_hidden, self.step, self.logits = to_hidden, step, logits
         self.reset()
 
     def reset(self):
         from transformers import DynamicCache
 
-        self.cache, self.n_real = DynamicCache(), 0
+        self.cache, self.n_real, self.q = DynamicCache(), 0, []
 
     def _run(self, hidden, tokens, start):
         t = hidden.shape[1]
@@ -113,17 +115,23 @@ class ChainProposer:
         return self.step(hidden, self.embed(tokens), pos, causal_mask(t, start + t, device=tokens.device), self.cache)
 
     @torch.no_grad()
-    def propose(self, tokens: torch.Tensor, feats: dict, k: int) -> list[int]:
+    def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> list[int]:
         crop_cache(self.cache, self.n_real)
         n_feats = next(iter(feats.values())).shape[1]
         new = {name: f[:, self.n_real:] for name, f in feats.items()}
         out = self._run(self.to_hidden(new), tokens[:, self.n_real + 1 : n_feats + 1], self.n_real)
         self.n_real = n_feats
-        draft: list[int] = []
+        draft, self.q = [], []
         for i in range(k):
-            nxt = self.next_token(out[:, -1:])  # [1, 1] target token id
-            draft.append(int(nxt))
+            logits = self.logits(out[:, -1:])[0, 0]
+            if sampler is None:
+                nxt = int(logits.argmax())
+            else:
+                q = sampler.probs(logits)
+                nxt = sampler.sample(q)
+                self.q.append(q)
+            draft.append(nxt)
             if i + 1 < k:
                 # The next pair is (own output for the position just predicted, that token).
-                out = self._run(out[:, -1:], nxt, n_feats + i)
+                out = self._run(out[:, -1:], torch.tensor([[nxt]], device=tokens.device), n_feats + i)
         return draft

@@ -128,6 +128,5 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig):
 
 
 def make_proposer(drafter, target, cfg: DrafterConfig) -> ChainProposer:
-    lm_head = target.get_output_embeddings()
     return ChainProposer(drafter, target, FEATURES, to_hidden=lambda feats: feats["last_hidden"], step=drafter,
-                         next_token=lambda f_hat: lm_head(f_hat).argmax(-1))
+                         logits=target.get_output_embeddings())

@@ -107,6 +107,12 @@ class Eagle3Drafter(nn.Module):
     def to_target_ids(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]
 
+    def target_vocab_logits(self, out):
+        """Draft-vocab logits scattered into the target vocabulary (-inf outside the draft vocab)."""
+        small = self.draft_logits(out)
+        full = small.new_full((*small.shape[:-1], self.t2d.shape[0]), float("-inf"))
+        return full.index_copy_(-1, self.to_target_ids(torch.arange(small.shape[-1], device=small.device)), small)
+
 
 def draft_vocab(dataset, vocab: int, size: int) -> torch.Tensor:
     """The `size` most frequent target tokens among loss-masked (trained) tokens, sorted by id.
@@ -210,5 +216,5 @@ def make_proposer(drafter, target, cfg: DrafterConfig) -> ChainProposer:
         drafter, target, names,
         to_hidden=lambda feats: drafter.fc(torch.cat([feats[n] for n in names if n.startswith("hidden.")], dim=-1)),
         step=drafter.step,
-        next_token=lambda out: drafter.to_target_ids(drafter.draft_logits(out).argmax(-1)),
+        logits=drafter.target_vocab_logits,
     )

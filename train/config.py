@@ -69,6 +69,8 @@ class EvalConfig:
     num_prompts: int = 20
     max_new_tokens: int = 64
     temperature: float = 0.0
+    """0 = greedy (token-exact lossless check); > 0 = lossless speculative sampling."""
+    top_p: float = 1.0
     tree: str | None = None
     dtype: str = "float32"
 

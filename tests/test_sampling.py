@@ -1,0 +1,84 @@
+"""Lossless speculative sampling: the output distribution equals target-only sampling.
+
+A two-sample chi-square test over many short continuations, with fixed seeds. A negative control
+(a rule that accepts every draft) must fail the same test, so the test can tell a broken rule."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from draftsmith.eval.speculative import NgramProposer, Sampler, speculative_sample, target_sample
+from draftsmith.models import eagle
+from tests.conftest import make_target
+
+PROMPT = [1, 20, 21, 22, 20, 21]
+N = 1200
+
+
+@pytest.fixture(scope="module")
+def peaked_target():
+    target = make_target(seed=3)
+    with torch.no_grad():  # sharper next-token distributions than a fresh random init: fewer categories
+        target.get_output_embeddings().weight.mul_(8.0)
+    return target
+
+
+def chi_square_p(a: Counter, b: Counter) -> float:
+    """Two-sample chi-square homogeneity test; categories with few counts are pooled.
+    p-value from the Wilson-Hilferty normal approximation of the chi-square tail."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
+    na, nb = sum(a.values()), sum(b.values())
+    cells, rest = [], [0, 0]
+    for k in keys:
+        if a[k] + b[k] >= 10:
+            cells.append((a[k], b[k]))
+        else:
+            rest[0] += a[k]
+            rest[1] += b[k]
+    if sum(rest) > 0:
+        cells.append(tuple(rest))
+    stat = 0.0
+    for x, y in cells:
+        tot = x + y
+        for obs, n in ((x, na), (y, nb)):
+            exp = tot * n / (na + nb)
+            stat += (obs - exp) ** 2 / exp
+    dof = len(cells) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _collect(fn):
+    return Counter(tuple(fn(seed)[:3]) for seed in range(N))
+
+
+def _reference(target, temperature, top_p):
+    return _collect(lambda s: target_sample(target, PROMPT, 3, set(), Sampler(temperature, top_p, seed=10_000 + s)))
+
+
+class AcceptAll(Sampler):
+    def accept(self, p_x, q_x):
+        return True
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_speculative_sampling_matches_target_distribution(peaked_target, temperature, top_p):
+    target = peaked_target
+    torch.manual_seed(0)
+    proposer = eagle.make_proposer(eagle.build(eagle.DrafterConfig(), target), target, eagle.DrafterConfig())
+    ref = _reference(target, temperature, top_p)
+    spec = _collect(lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), Sampler(temperature, top_p, seed=s)))
+    assert chi_square_p(ref, spec) > 1e-3
+    ngram = _collect(lambda s: speculative_sample(target, NgramProposer(), PROMPT, 3, 3, set(), Sampler(temperature, top_p, seed=s)))
+    assert chi_square_p(ref, ngram) > 1e-3
+    # Negative control: accepting every draft samples from the drafter, and the test notices.
+    broken = _collect(lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), AcceptAll(temperature, top_p, seed=s)))
+    assert chi_square_p(ref, broken) < 1e-3
+
+
+def test_top_p_keeps_the_smallest_mass_prefix():
+    s = Sampler(1.0, top_p=0.7)
+    p = s.probs(torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
