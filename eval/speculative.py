@@ -1,8 +1,9 @@
-"""Chain speculative decoding (greedy) with KV caches for target and drafter.
+"""Chain speculative decoding with KV caches for target and drafter, greedy or sampled.
 
-One round: the drafter proposes K tokens; the target verifies [last token, d_1..d_K] in one
-forward pass; the longest prefix where d_j equals the target's own argmax is accepted, plus one
-"bonus" token from the target. At temperature 0 this emits exactly target-only greedy tokens.
+One round: the drafter proposes K tokens; the target scores [last token, d_1..d_K] in one forward
+pass; a verify rule keeps a prefix of the drafts and adds one token from the target. Greedy keeps
+drafts equal to the target's argmax (output identical to target-only greedy); sampling uses the
+Leviathan rejection rule (output distributed exactly as target-only sampling).
 """
 
 from __future__ import annotations
@@ -66,47 +67,27 @@ def _forward(target, ids: list[int], cache, device, names=()):
 
 
 @torch.no_grad()
-def target_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
-    """Plain greedy decoding with a KV cache: the baseline and the lossless reference."""
+def target_decode(target, prompt: list[int], max_new: int, eos: set[int], sampler=None) -> list[int]:
+    """Plain decoding with a KV cache, greedy (sampler None) or sampled: the baseline, and the
+    reference that speculative decoding must reproduce exactly (greedy) or in distribution."""
     device = next(target.parameters()).device
     cache = DynamicCache()
+    pick = (lambda lg: int(lg.argmax())) if sampler is None else (lambda lg: sampler.sample(sampler.probs(lg)))
     _, logits = _forward(target, prompt, cache, device)
-    out = [int(logits[0, -1].argmax())]
+    out = [pick(logits[0, -1])]
     while len(out) < max_new and out[-1] not in eos:
         _, logits = _forward(target, out[-1:], cache, device)
-        out.append(int(logits[0, -1].argmax()))
+        out.append(pick(logits[0, -1]))
     return out
 
 
-@torch.no_grad()
+def target_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    return target_decode(target, prompt, max_new, eos)
+
+
 def speculative_greedy(target, proposer, prompt: list[int], k: int, max_new: int, eos: set[int],
                        stats: Stats | None = None) -> list[int]:
-    device = next(target.parameters()).device
-    names = getattr(proposer, "feature_names", ())
-    cache = DynamicCache()
-    feats, logits = _forward(target, prompt, cache, device, names)
-    tokens = list(prompt) + [int(logits[0, -1].argmax())]
-    # Target features of every token the target has processed (all but the newest one).
-    feats = {n: feats[n] for n in names}
-    if proposer is not None:
-        proposer.reset()
-    while len(tokens) - len(prompt) < max_new and tokens[-1] not in eos:
-        draft = proposer.propose(torch.tensor([tokens], device=device), feats, k) if proposer and k else []
-        new_feats, logits = _forward(target, tokens[-1:] + draft, cache, device, names)
-        preds = logits[0].argmax(-1).tolist()  # preds[j] = target's choice after draft[:j]
-        a = 0
-        while a < len(draft) and draft[a] == preds[a]:
-            a += 1
-        new = draft[:a] + [preds[a]]  # accepted drafts + the target's bonus token
-        # The target processed the last token and all K drafts; keep the last token + a accepted.
-        crop_cache(cache, len(tokens) + a)
-        feats = {n: torch.cat([feats[n], new_feats[n][:, : a + 1]], dim=1) for n in names}
-        budget = max_new - (len(tokens) - len(prompt))
-        new = _truncate(new[:budget], eos)
-        tokens += new
-        if stats is not None:
-            stats.record(len(draft), min(a, len(new)), len(new))
-    return tokens[len(prompt):]
+    return speculative_decode(target, proposer, prompt, k, max_new, eos, None, stats)
 
 
 def _truncate(tokens: list[int], eos: set[int]) -> list[int]:
@@ -179,53 +160,64 @@ class Sampler:
         return self.sample(r / r.sum() if r.sum() > 0 else p)
 
 
-@torch.no_grad()
-def target_sample(target, prompt: list[int], max_new: int, eos: set[int], sampler: Sampler) -> list[int]:
-    """Plain sampling with a KV cache: the distribution speculative sampling must reproduce."""
-    device = next(target.parameters()).device
-    cache = DynamicCache()
-    _, logits = _forward(target, prompt, cache, device)
-    out = [sampler.sample(sampler.probs(logits[0, -1]))]
-    while len(out) < max_new and out[-1] not in eos:
-        _, logits = _forward(target, out[-1:], cache, device)
-        out.append(sampler.sample(sampler.probs(logits[0, -1])))
-    return out
+def target_sample(target, prompt: list[int], max_new: int, eos: set[int], sampler: "Sampler") -> list[int]:
+    return target_decode(target, prompt, max_new, eos, sampler)
 
 
-@torch.no_grad()
 def speculative_sample(target, proposer, prompt: list[int], k: int, max_new: int, eos: set[int],
                        sampler: Sampler, stats: Stats | None = None) -> list[int]:
-    """Lossless speculative sampling for chains (Leviathan et al. 2023; Chen et al. 2023).
+    return speculative_decode(target, proposer, prompt, k, max_new, eos, sampler, stats)
 
-    Draft j is accepted with probability min(1, p_j(x)/q_j(x)); the first rejection resamples from
-    norm(max(0, p_j - q_j)) and ends the round; if all K are accepted, a bonus token comes from p_K.
-    Proposers without a distribution (prompt lookup) count as q = one-hot on their token.
-    """
+
+def verify_greedy(draft: list[int], logits: torch.Tensor) -> list[int]:
+    """Accept the longest prefix where each draft equals the target's argmax, plus the target's
+    own next token (the bonus): at temperature 0 the output is exactly target-only greedy."""
+    preds = logits.argmax(-1).tolist()  # preds[j] = target's choice after draft[:j]
+    a = 0
+    while a < len(draft) and draft[a] == preds[a]:
+        a += 1
+    return draft[:a] + [preds[a]]
+
+
+def verify_sampled(draft: list[int], logits: torch.Tensor, qs: list, sampler: Sampler) -> list[int]:
+    """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023): draft j is kept with
+    probability min(1, p_j(x)/q_j(x)); the first rejection resamples from norm(max(0, p_j - q_j))
+    and ends the round; if all K are kept, a bonus token comes from p_K. Proposers without a
+    distribution (prompt lookup) count as q = one-hot on their token."""
+    p = sampler.probs(logits)  # p[j]: target distribution after draft[:j]
+    new = []
+    for j, x in enumerate(draft):
+        q = qs[j] if qs else torch.nn.functional.one_hot(torch.tensor(x), p.shape[-1]).to(p)
+        if not sampler.accept(float(p[j, x]), float(q[x])):
+            return new + [sampler.residual(p[j], q)]
+        new.append(x)
+    return new + [sampler.sample(p[len(draft)])]
+
+
+@torch.no_grad()
+def speculative_decode(target, proposer, prompt: list[int], k: int, max_new: int, eos: set[int],
+                       sampler: Sampler | None = None, stats: Stats | None = None) -> list[int]:
+    """One round: the drafter proposes K tokens; the target scores [last token, d_1..d_K] in one
+    forward pass; the verify rule keeps a prefix and adds one target token."""
     device = next(target.parameters()).device
     names = getattr(proposer, "feature_names", ())
     cache = DynamicCache()
     feats, logits = _forward(target, prompt, cache, device, names)
-    tokens = list(prompt) + [sampler.sample(sampler.probs(logits[0, -1]))]
+    first = logits[0, -1]
+    tokens = list(prompt) + [int(first.argmax()) if sampler is None else sampler.sample(sampler.probs(first))]
+    # Target features of every token the target has processed (all but the newest one).
     feats = {n: feats[n] for n in names}
     if proposer is not None:
         proposer.reset()
     while len(tokens) - len(prompt) < max_new and tokens[-1] not in eos:
         ctx = torch.tensor([tokens], device=device)
-        draft = proposer.propose(ctx, feats, k, sampler) if proposer and k else []
-        qs = getattr(proposer, "q", []) or [None] * len(draft)
+        draft = (proposer.propose(ctx, feats, k, sampler) if sampler else proposer.propose(ctx, feats, k)) \
+            if proposer and k else []
         new_feats, logits = _forward(target, tokens[-1:] + draft, cache, device, names)
-        p = sampler.probs(logits[0])  # p[j]: target distribution after draft[:j]
-        new = []
-        for j, x in enumerate(draft):
-            q = qs[j] if qs[j] is not None else torch.nn.functional.one_hot(torch.tensor(x), p.shape[-1]).to(p)
-            if sampler.accept(float(p[j, x]), float(q[x])):
-                new.append(x)
-                continue
-            new.append(sampler.residual(p[j], q))
-            break
-        else:
-            new.append(sampler.sample(p[len(draft)]))
-        a = len(new) - 1  # accepted drafts; the last token is the resample or the bonus
+        new = (verify_greedy(draft, logits[0]) if sampler is None
+               else verify_sampled(draft, logits[0], getattr(proposer, "q", []), sampler))
+        a = len(new) - 1  # accepted drafts; the last token is the target's own
+        # The target processed the last token and all K drafts; keep the last token + a accepted.
         crop_cache(cache, len(tokens) + a)
         feats = {n: torch.cat([feats[n], new_feats[n][:, : a + 1]], dim=1) for n in names}
         budget = max_new - (len(tokens) - len(prompt))

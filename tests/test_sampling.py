@@ -14,7 +14,7 @@ from draftsmith.models import eagle
 from tests.conftest import make_target
 
 PROMPT = [1, 20, 21, 22, 20, 21]
-N = 1200
+N = 800
 
 
 @pytest.fixture(scope="module")
