@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 from tqdm import tqdm
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
@@ -53,6 +54,9 @@ def make_scheduler(cfg: Config, optimizer, total_steps: int):
 
 
 def train(cfg: Config) -> Path:
+    # accelerate keeps its state in a process-wide singleton; a second train() in one process
+    # (tests, notebooks) with another precision must start from a clean one.
+    AcceleratorState._reset_state()
     # Without CUDA, cpu=True makes a multi-process launch (torchrun / accelerate --multi_gpu) form a
     # gloo process group instead of N independent single-process runs.
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.optim.mixed_precision,
