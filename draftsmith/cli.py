@@ -44,14 +44,16 @@ def cmd_eval(args) -> None:
     from draftsmith.models.common import read_drafter_meta
     from draftsmith.models.target import ensure_pad, load_target
 
+    if args.tree:
+        raise DraftsmithError("--tree: tree speculation is not implemented yet; use chain drafting (--k)")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.k < 1:
+        raise DraftsmithError("eval: expected --temperature >= 0, 0 < --top-p <= 1 and --k >= 1")
     target_name = args.target
     if args.drafter not in ("none", "ngram"):
         meta = read_drafter_meta(Path(args.drafter))  # fail on a bad folder before loading any model
         target_name = target_name or meta["target"]
     target, tok = load_target(target_name or "smollm2-135m", args.dtype)
     ensure_pad(tok)
-    if args.tree:
-        raise DraftsmithError("--tree: tree speculation is not implemented yet; use chain drafting (--k)")
     if args.drafter in ("none", "ngram"):
         proposer, name, out = make_baseline(args.drafter), args.drafter, Path(args.out or f"eval-{args.drafter}")
     else:
