@@ -110,13 +110,9 @@ def load_target(name: str, dtype: str = "float32", cache_dir: str = "", device: 
 def freeze(model: PreTrainedModel) -> PreTrainedModel:
     model.eval()
     model.requires_grad_(False)
-    if tok_pad_missing(model):
+    if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model
-
-
-def tok_pad_missing(model: PreTrainedModel) -> bool:
-    return getattr(model.config, "pad_token_id", None) is None
 
 
 def ensure_pad(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
@@ -144,7 +140,3 @@ def fingerprint(model: PreTrainedModel) -> str:
         h.update(t.view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
 
-
-def target_parts(model: PreTrainedModel):
-    """(decoder body, lm_head, embed_tokens) of a transformers CausalLM."""
-    return model.get_decoder(), model.get_output_embeddings(), model.get_input_embeddings()
