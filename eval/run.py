@@ -10,8 +10,7 @@ from tqdm import tqdm
 from draftsmith import DraftsmithError
 from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.eval.report import write_report
-from draftsmith.eval.speculative import (NgramProposer, Sampler, Stats, speculative_greedy, speculative_sample,
-                                         target_greedy, target_sample, timed)
+from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculative_decode, target_decode, timed
 from draftsmith.models.common import check_fingerprint, load_state, read_drafter_meta
 from draftsmith.models.registry import drafter_module
 from draftsmith.models.target import fingerprint
@@ -49,26 +48,17 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
     prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
     eos = {i for i in [tok.eos_token_id, getattr(target.generation_config, "eos_token_id", None)] if isinstance(i, int)}
     device = next(target.parameters()).device
-    if temperature > 0:  # lossless speculative sampling; the reference samples with its own seed stream
-        def plain(prompt, seed):
-            return target_sample(target, prompt, max_new_tokens, eos, Sampler(temperature, top_p, seed, device))
+    def sampler(seed):
+        """None = greedy; otherwise one warping shared by target and drafter (lossless sampling)."""
+        return Sampler(temperature, top_p, seed, device) if temperature > 0 else None
 
-        def spec(prompt, seed, stats=None):
-            return speculative_sample(target, proposer, prompt, k, max_new_tokens, eos,
-                                      Sampler(temperature, top_p, seed, device), stats)
-    else:
-        def plain(prompt, seed):
-            return target_greedy(target, prompt, max_new_tokens, eos)
-
-        def spec(prompt, seed, stats=None):
-            return speculative_greedy(target, proposer, prompt, k, max_new_tokens, eos, stats)
     stats, ref_s, mismatches, ref_tokens = Stats(k=max(k, 1)), 0.0, 0, 0
     # Warm up both paths once so one-time allocation costs do not bias the first timing.
-    plain(prompts[0][:8], 0)
-    spec(prompts[0][:8], 0)
+    target_decode(target, prompts[0][:8], max_new_tokens, eos, sampler(0))
+    speculative_decode(target, proposer, prompts[0][:8], k, max_new_tokens, eos, sampler(0))
     for n, prompt in enumerate(tqdm(prompts, desc=f"eval {name}")):
-        ref, s_ref = timed(plain, prompt, n)
-        generated, s_spec = timed(spec, prompt, n, stats)
+        ref, s_ref = timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
+        generated, s_spec = timed(speculative_decode, target, proposer, prompt, k, max_new_tokens, eos, sampler(n), stats)
         ref_s += s_ref
         stats.seconds += s_spec
         ref_tokens += len(ref)

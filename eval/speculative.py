@@ -211,8 +211,7 @@ def speculative_decode(target, proposer, prompt: list[int], k: int, max_new: int
         proposer.reset()
     while len(tokens) - len(prompt) < max_new and tokens[-1] not in eos:
         ctx = torch.tensor([tokens], device=device)
-        draft = (proposer.propose(ctx, feats, k, sampler) if sampler else proposer.propose(ctx, feats, k)) \
-            if proposer and k else []
+        draft = proposer.propose(ctx, feats, k, sampler) if proposer and k else []
         new_feats, logits = _forward(target, tokens[-1:] + draft, cache, device, names)
         new = (verify_greedy(draft, logits[0]) if sampler is None
                else verify_sampled(draft, logits[0], getattr(proposer, "q", []), sampler))

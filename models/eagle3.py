@@ -147,6 +147,11 @@ def rebuild(meta: dict, target) -> Eagle3Drafter:
     return build(cfg, target)
 
 
+def aux_features(feats: dict, names: tuple[str, ...]) -> torch.Tensor:
+    """Concatenate the fused layers' features in `names` order: [..., 3H], the input of fc."""
+    return torch.cat([feats[n] for n in names if n.startswith("hidden.")], dim=-1)
+
+
 def ttt_mask(t: int, step: int, padding: torch.Tensor) -> torch.Tensor:
     """Attention mask [B, 1, t, t*(step+1)] for unrolled step `step` of training-time test.
 
@@ -199,7 +204,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig):
             r = row_of[b_idx, r_idx + j + 1]
             selections.append((b_idx, r_idx))
             labels.append((draft_all[r], keep_all[r]))
-    aux = torch.cat([feats[n][:, :t] for n in names if n.startswith("hidden.")], dim=-1)
+    aux = aux_features(feats, names)[:, :t]
     embeds = target.get_input_embeddings()(ids_ext[:, 1:])
     logits = drafter(aux.to(core.fc.weight.dtype), embeds, attn[:, :t], selections)
     total, metrics = 0.0, {}
@@ -214,7 +219,7 @@ def make_proposer(drafter, target, cfg: DrafterConfig) -> ChainProposer:
     names = feature_names(cfg, target.config)
     return ChainProposer(
         drafter, target, names,
-        to_hidden=lambda feats: drafter.fc(torch.cat([feats[n] for n in names if n.startswith("hidden.")], dim=-1)),
+        to_hidden=lambda feats: drafter.fc(aux_features(feats, names)),
         step=drafter.step,
         logits=drafter.target_vocab_logits,
     )

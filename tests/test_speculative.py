@@ -18,12 +18,12 @@ class OracleProposer:
     def reset(self):
         pass
 
-    def propose(self, tokens, feats, k):
+    def propose(self, tokens, feats, k, sampler=None):
         return target_greedy(self.target, tokens[0].tolist(), k, eos=set())
 
 
 class WrongProposer(OracleProposer):
-    def propose(self, tokens, feats, k):
+    def propose(self, tokens, feats, k, sampler=None):
         return [(t + 1) % self.target.config.vocab_size for t in super().propose(tokens, feats, k)]
 
 
