@@ -33,7 +33,7 @@ def target_features(target, batch: dict, names: tuple[str, ...], cache=None) -> 
     if unknown:
         raise DraftsmithError(f"feature contract: unknown target features {unknown}")
     out = target.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                               cache=cache, use_cache=cache is not None, output_hidden_states=bool(aux))
+                               position_ids=batch.get("position_ids"), cache=cache, use_cache=cache is not None, output_hidden_states=bool(aux))
     feats = {"last_hidden": out.last_hidden_state}
     for a in aux:
         feats[f"hidden.{a}"] = out.hidden_states[a + 1]

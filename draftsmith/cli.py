@@ -18,6 +18,7 @@ TRAIN_HELP = """examples:
 EVAL_HELP = """examples:
   draftsmith eval --drafter checkpoints/eagle-smollm2/final --data builtin:code-holdout
   draftsmith eval --drafter ngram --target smollm2-135m --data holdout.jsonl --k 5
+  draftsmith eval --drafter checkpoints/eagle3-smollm2/final --data builtin:code-holdout --tree dynamic:depth=5,top_k=8,tokens=48
   draftsmith eval --drafter none --data builtin:code-holdout          (target-only baseline)"""
 
 EXPORT_HELP = """examples:
@@ -45,7 +46,9 @@ def cmd_eval(args) -> None:
     from draftsmith.models.target import ensure_pad, load_target
 
     if args.tree:
-        raise DraftsmithError("--tree: tree speculation is not implemented yet; use chain drafting (--k)")
+        from draftsmith.eval.tree import parse_tree
+
+        parse_tree(args.tree)  # a bad spec fails before any model loads
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.k < 1:
         raise DraftsmithError("eval: expected --temperature >= 0, 0 < --top-p <= 1 and --k >= 1")
     target_name = args.target
@@ -62,7 +65,7 @@ def cmd_eval(args) -> None:
         out = Path(args.out) if args.out else Path(args.drafter).parent / "eval"
     report = evaluate(proposer, name, target, tok, args.data, out, k=args.k, num_prompts=args.num_prompts,
                       max_new_tokens=args.max_new_tokens, target_name=target_name or "smollm2-135m",
-                      temperature=args.temperature, top_p=args.top_p)
+                      temperature=args.temperature, top_p=args.top_p, tree=args.tree)
     print(format_table([report]))
     print(f"wrote {out}/report.json, report.md, acceptance.png")
 
@@ -135,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--target", help="target id/path/alias (default: the one the drafter was trained for)")
     e.add_argument("--data", required=True, help="holdout: jsonl/json/parquet path or builtin:code-holdout")
     e.add_argument("--k", type=int, default=5, help="draft tokens per verification pass")
-    e.add_argument("--tree", default=None, help="tree spec (not yet implemented)")
+    e.add_argument("--tree", default=None, help="draft tree instead of a chain: 'dynamic[:depth=5,top_k=8,tokens=48]' "
+                   "(EAGLE-2) or 'static:[[0],[1],[0,0]]' (child-rank paths, or a .json file)")
     e.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = lossless speculative sampling")
     e.add_argument("--top-p", type=float, default=1.0)
     e.add_argument("--max-new-tokens", type=int, default=64)

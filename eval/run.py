@@ -11,6 +11,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.eval.report import write_report
 from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculative_decode, target_decode, timed
+from draftsmith.eval.tree import parse_tree
 from draftsmith.models.common import check_fingerprint, load_state, read_drafter_meta
 from draftsmith.models.registry import drafter_module
 from draftsmith.models.target import fingerprint
@@ -40,11 +41,18 @@ def make_baseline(name: str):
 
 
 def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k: int = 5, num_prompts: int = 20,
-             max_new_tokens: int = 64, target_name: str = "", temperature: float = 0.0, top_p: float = 1.0) -> dict:
+             max_new_tokens: int = 64, target_name: str = "", temperature: float = 0.0, top_p: float = 1.0,
+             tree: str | None = None) -> dict:
     """Decode each holdout prompt target-only and speculatively; measure τ, acceptance, speed.
-    proposer: a drafter's proposer (`module.make_proposer`), an NgramProposer, or None (k becomes 0)."""
+    proposer: a drafter's proposer (`module.make_proposer`), an NgramProposer, or None (k becomes 0).
+    tree: a tree spec (eval/tree.py) instead of a chain of k drafts; k then reports the tree depth."""
+    spec = parse_tree(tree) if tree else None
+    if spec is not None and not hasattr(proposer, "propose_tree"):
+        raise DraftsmithError(f"--tree: drafter '{name}' proposes chains only; drop --tree or use a trained drafter")
     if proposer is None:
         k = 0
+    elif spec is not None:
+        k = spec.depth
     prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
     eos = {i for i in [tok.eos_token_id, getattr(target.generation_config, "eos_token_id", None)] if isinstance(i, int)}
     device = next(target.parameters()).device
@@ -55,10 +63,10 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
     stats, ref_s, mismatches, ref_tokens = Stats(k=max(k, 1)), 0.0, 0, 0
     # Warm up both paths once so one-time allocation costs do not bias the first timing.
     target_decode(target, prompts[0][:8], max_new_tokens, eos, sampler(0))
-    speculative_decode(target, proposer, prompts[0][:8], k, max_new_tokens, eos, sampler(0))
+    speculative_decode(target, proposer, prompts[0][:8], k, max_new_tokens, eos, sampler(0), tree=spec)
     for n, prompt in enumerate(tqdm(prompts, desc=f"eval {name}")):
         ref, s_ref = timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
-        generated, s_spec = timed(speculative_decode, target, proposer, prompt, k, max_new_tokens, eos, sampler(n), stats)
+        generated, s_spec = timed(speculative_decode, target, proposer, prompt, k, max_new_tokens, eos, sampler(n), stats, spec)
         ref_s += s_ref
         stats.seconds += s_spec
         ref_tokens += len(ref)
@@ -68,7 +76,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
     report = {
         "drafter": name, "target": target_name, "holdout": holdout,
         "num_prompts": len(prompts), "new_tokens": stats.new_tokens, "temperature": temperature,
-        "k": k, "tree": None, "tau": round(stats.tau, 4), "acceptance_rate": round(stats.acceptance_rate, 4),
+        "k": k, "tree": tree, "tau": round(stats.tau, 4), "acceptance_rate": round(stats.acceptance_rate, 4),
         "per_position": [round(p, 4) for p in stats.per_position] if k else [],
         # Greedy: checked token by token. Sampling: outputs differ by design; exactness is a
         # distribution-level property, tested by the chi-square test in tests/test_sampling.py.
@@ -76,7 +84,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         "target_tokens_per_s": round(target_tps, 2), "spec_tokens_per_s": round(spec_tps, 2),
         "speedup": round(spec_tps / target_tps, 3),
         # Beyond the fixed keys: the conditions users need to read the numbers.
-        "batch_size": 1, "top_p": top_p, "lossless_mismatches": mismatches if temperature == 0 else None, "dtype": str(next(target.parameters()).dtype),
+        "batch_size": 1, "top_p": top_p, "draft_tokens_per_pass": round(stats.proposed / max(stats.passes, 1), 2), "lossless_mismatches": mismatches if temperature == 0 else None, "dtype": str(next(target.parameters()).dtype),
         "device": str(next(target.parameters()).device), "threads": torch.get_num_threads(),
     }
     if out is not None:

@@ -1,9 +1,10 @@
-"""Chain speculative decoding with KV caches for target and drafter, greedy or sampled.
+"""Speculative decoding with KV caches for target and drafter: chains or trees, greedy or sampled.
 
-One round: the drafter proposes K tokens; the target scores [last token, d_1..d_K] in one forward
-pass; a verify rule keeps a prefix of the drafts and adds one token from the target. Greedy keeps
-drafts equal to the target's argmax (output identical to target-only greedy); sampling uses the
-Leviathan rejection rule (output distributed exactly as target-only sampling).
+One round: the drafter proposes a draft (a chain of K tokens or a tree, eval/tree.py); the target
+scores [last token, draft nodes] in one forward pass with tree attention; a verify rule keeps one
+root-to-leaf path and adds one token from the target. Greedy keeps drafts equal to the target's
+argmax (output identical to target-only greedy); sampling uses the Leviathan rejection rule,
+sibling by sibling on trees (output distributed exactly as target-only sampling).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from transformers import DynamicCache
 
 from draftsmith.data.features import target_features
-from draftsmith.models.common import crop_cache
+from draftsmith.eval.tree import Draft, TreeSpec, verification_inputs, verify_tree_greedy, verify_tree_sampled
+from draftsmith.models.common import crop_cache, keep_cache_positions
 
 
 @dataclass
@@ -36,13 +38,14 @@ class Stats:
         self.reached = self.reached or [0] * self.k
         self.accepted_at = self.accepted_at or [0] * self.k
 
-    def record(self, n_draft: int, n_accepted: int, n_emitted: int) -> None:
+    def record(self, n_draft: int, n_accepted: int, n_emitted: int, depth: int | None = None) -> None:
+        """n_draft: draft nodes scored; depth: the draft's depth (= n_draft for a chain)."""
         self.passes += 1
         self.emitted += n_emitted
         self.proposed += n_draft
         self.accepted += n_accepted
-        # Position j is reached iff positions 0..j-1 were all accepted.
-        for j in range(min(n_accepted + 1, n_draft)):
+        # Position (depth) j is reached iff positions 0..j-1 were all accepted.
+        for j in range(min(n_accepted + 1, n_draft if depth is None else depth)):
             self.reached[j] += 1
             self.accepted_at[j] += int(j < n_accepted)
 
@@ -59,10 +62,11 @@ class Stats:
         return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
 
 
-def _forward(target, ids: list[int], cache, device, names=()):
-    """Target forward over new tokens with its KV cache -> (features dict [1, T, *], logits [1, T, V])."""
-    x = torch.tensor([ids], device=device)
-    feats = target_features(target, {"input_ids": x}, tuple(names) + ("last_hidden",), cache=cache)
+def _forward(target, ids: list[int], cache, device, names=(), mask=None, positions=None):
+    """Target forward over new tokens with its KV cache -> (features dict [1, T, *], logits [1, T, V]).
+    mask/positions: a 4-D tree attention mask and its position ids (default: causal, consecutive)."""
+    batch = {"input_ids": torch.tensor([ids], device=device), "attention_mask": mask, "position_ids": positions}
+    feats = target_features(target, batch, tuple(names) + ("last_hidden",), cache=cache)
     return feats, target.get_output_embeddings()(feats["last_hidden"])
 
 
@@ -109,8 +113,8 @@ class NgramProposer:
     def reset(self):
         pass
 
-    def propose(self, tokens: torch.Tensor, feats, k: int, sampler=None) -> list[int]:
-        # Deterministic proposals: under sampling they count as q = one-hot (see speculative_sample).
+    def propose(self, tokens: torch.Tensor, feats, k: int, sampler=None) -> Draft:
+        # Deterministic proposals: under sampling they count as q = one-hot (see verify_tree_sampled).
         seq = tokens[0].tolist()
         for n in range(min(self.max_ngram, len(seq) - 1), 0, -1):
             tail = seq[-n:]
@@ -118,8 +122,8 @@ class NgramProposer:
                 if seq[start:start + n] == tail:
                     follow = seq[start + n:start + n + k]
                     if follow:
-                        return follow
-        return []
+                        return Draft.chain(follow)
+        return Draft()
 
 
 def timed(fn, *args, **kwargs):
@@ -154,10 +158,11 @@ class Sampler:
         u = float(torch.rand((), generator=self.generator))
         return u * q_x < p_x  # u < p/q without dividing by a zero q
 
-    def residual(self, p: torch.Tensor, q: torch.Tensor) -> int:
-        """On rejection, sample from norm(max(0, p - q)): this makes the output exactly p."""
+    def residual(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """After rejecting a draft from q: norm(max(0, p - q)), which makes the output exactly p.
+        (Its mass is zero only if p == q, where rejection has probability zero.)"""
         r = (p - q).clamp(min=0)
-        return self.sample(r / r.sum() if r.sum() > 0 else p)
+        return r / r.sum() if r.sum() > 0 else p
 
 
 def target_sample(target, prompt: list[int], max_new: int, eos: set[int], sampler: "Sampler") -> list[int]:
@@ -169,36 +174,13 @@ def speculative_sample(target, proposer, prompt: list[int], k: int, max_new: int
     return speculative_decode(target, proposer, prompt, k, max_new, eos, sampler, stats)
 
 
-def verify_greedy(draft: list[int], logits: torch.Tensor) -> list[int]:
-    """Accept the longest prefix where each draft equals the target's argmax, plus the target's
-    own next token (the bonus): at temperature 0 the output is exactly target-only greedy."""
-    preds = logits.argmax(-1).tolist()  # preds[j] = target's choice after draft[:j]
-    a = 0
-    while a < len(draft) and draft[a] == preds[a]:
-        a += 1
-    return draft[:a] + [preds[a]]
-
-
-def verify_sampled(draft: list[int], logits: torch.Tensor, qs: list, sampler: Sampler) -> list[int]:
-    """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023): draft j is kept with
-    probability min(1, p_j(x)/q_j(x)); the first rejection resamples from norm(max(0, p_j - q_j))
-    and ends the round; if all K are kept, a bonus token comes from p_K. Proposers without a
-    distribution (prompt lookup) count as q = one-hot on their token."""
-    p = sampler.probs(logits)  # p[j]: target distribution after draft[:j]
-    new = []
-    for j, x in enumerate(draft):
-        q = qs[j] if qs else torch.nn.functional.one_hot(torch.tensor(x), p.shape[-1]).to(p)
-        if not sampler.accept(float(p[j, x]), float(q[x])):
-            return new + [sampler.residual(p[j], q)]
-        new.append(x)
-    return new + [sampler.sample(p[len(draft)])]
-
-
 @torch.no_grad()
 def speculative_decode(target, proposer, prompt: list[int], k: int, max_new: int, eos: set[int],
-                       sampler: Sampler | None = None, stats: Stats | None = None) -> list[int]:
-    """One round: the drafter proposes K tokens; the target scores [last token, d_1..d_K] in one
-    forward pass; the verify rule keeps a prefix and adds one target token."""
+                       sampler: Sampler | None = None, stats: Stats | None = None,
+                       tree: TreeSpec | None = None) -> list[int]:
+    """One round: the drafter proposes a chain of K tokens (or a tree); the target scores the last
+    token and every draft node in one forward pass; the verify rule keeps one path and adds one
+    target token."""
     device = next(target.parameters()).device
     names = getattr(proposer, "feature_names", ())
     cache = DynamicCache()
@@ -211,17 +193,21 @@ def speculative_decode(target, proposer, prompt: list[int], k: int, max_new: int
         proposer.reset()
     while len(tokens) - len(prompt) < max_new and tokens[-1] not in eos:
         ctx = torch.tensor([tokens], device=device)
-        draft = proposer.propose(ctx, feats, k, sampler) if proposer and k else []
-        new_feats, logits = _forward(target, tokens[-1:] + draft, cache, device, names)
-        new = (verify_greedy(draft, logits[0]) if sampler is None
-               else verify_sampled(draft, logits[0], getattr(proposer, "q", []), sampler))
-        a = len(new) - 1  # accepted drafts; the last token is the target's own
-        # The target processed the last token and all K drafts; keep the last token + a accepted.
-        crop_cache(cache, len(tokens) + a)
-        feats = {n: torch.cat([feats[n], new_feats[n][:, : a + 1]], dim=1) for n in names}
+        if proposer is None or (tree is None and not k):
+            draft = Draft()
+        else:
+            draft = proposer.propose(ctx, feats, k, sampler) if tree is None else proposer.propose_tree(ctx, feats, tree)
+        prefix = len(tokens) - 1  # the target has cached every token but the newest (the root)
+        mask, positions = verification_inputs(draft, prefix, device)
+        new_feats, logits = _forward(target, tokens[-1:] + draft.tokens, cache, device, names, mask, positions)
+        path, new = verify_tree_greedy(draft, logits[0]) if sampler is None else verify_tree_sampled(draft, logits[0], sampler)
+        # Keep the root and the accepted path in the target's cache and features: rows 0 and 1+i.
+        rows = [0] + [1 + i for i in path]
+        keep_cache_positions(cache, prefix, [prefix + r for r in rows])
+        feats = {n: torch.cat([feats[n], new_feats[n][:, rows]], dim=1) for n in names}
         budget = max_new - (len(tokens) - len(prompt))
         new = _truncate(new[:budget], eos)
         tokens += new
         if stats is not None:
-            stats.record(len(draft), min(a, len(new)), len(new))
+            stats.record(len(draft.tokens), min(len(path), len(new)), len(new), draft.max_depth)
     return tokens[len(prompt):]

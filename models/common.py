@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
+from draftsmith.eval.tree import Draft, ancestor_mask, grow_tree
 
 FORMAT_VERSION = 1
 
@@ -83,18 +85,31 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-remove)
 
 
-class ChainProposer:
-    """Chain drafting for feature-space drafters (EAGLE-1, EAGLE-3), with the drafter's KV cache.
+def keep_cache_positions(cache, prefix: int, positions: list[int]) -> None:
+    """Keep the first `prefix` positions of a Cache plus the given later ones, in order: after tree
+    verification, the accepted path. A contiguous path is a plain crop."""
+    if positions == list(range(prefix, prefix + len(positions))):
+        return crop_cache(cache, prefix + len(positions))
+    index = torch.tensor(list(range(prefix)) + positions, device=cache.layers[0].keys.device)
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(-2, index)
+        layer.values = layer.values.index_select(-2, index)
+
+
+class FeatureProposer:
+    """Chain and tree drafting for feature-space drafters (EAGLE-1, EAGLE-3), with the drafter's KV cache.
 
     The engine passes all tokens x_0..x_{n-1} and the target features of x_0..x_{n-2} (everything
     the target has verified). Pair i = (hidden from target features at i, token x_{i+1}) is *real*
-    for i <= n-2 and stays cached across rounds. Draft steps feed the drafter's own output instead;
-    they are cropped away before the next round, when real features replace them.
+    for i <= n-2 and stays cached across rounds. A draft node is fed as the pair (the drafter's own
+    output at the node's parent, the node's token) at position n-2 + depth, attending to the real
+    cache and its own fed ancestors only; draft pairs are cropped away before the next round, when
+    real features replace them.
 
     to_hidden(feats) -> [1, t, H] drafter input from target features; step(hidden, embeds, pos,
-    mask, cache) -> out [1, t, H]; logits(out [1, 1, H]) -> logits over the *target* vocabulary.
-    With a `sampler` (temperature > 0), drafts are sampled and their distributions kept in `self.q`
-    for the rejection rule; otherwise drafts are the argmax.
+    mask, cache) -> out [1, t, H]; logits(out [1, t, H]) -> [1, t, V] over the *target* vocabulary.
+    With a `sampler` (temperature > 0), chain drafts are sampled and keep their distribution q for
+    the rejection rule; otherwise drafts are the argmax (chains) or top-k expansions (trees).
     """
 
     def __init__(self, drafter, target, feature_names, to_hidden, step, logits):
@@ -105,33 +120,46 @@ class ChainProposer:
         self.reset()
 
     def reset(self):
-        from transformers import DynamicCache
+        self.cache, self.n_real = DynamicCache(), 0
 
-        self.cache, self.n_real, self.q = DynamicCache(), 0, []
-
-    def _run(self, hidden, tokens, start):
-        t = hidden.shape[1]
-        pos = torch.arange(start, start + t, device=tokens.device)[None]
-        return self.step(hidden, self.embed(tokens), pos, causal_mask(t, start + t, device=tokens.device), self.cache)
-
-    @torch.no_grad()
-    def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> list[int]:
+    def _prefill(self, tokens: torch.Tensor, feats: dict) -> torch.Tensor:
+        """Feed the real pairs not cached yet -> logits [V] for the first draft position."""
         crop_cache(self.cache, self.n_real)
         n_feats = next(iter(feats.values())).shape[1]
         new = {name: f[:, self.n_real:] for name, f in feats.items()}
-        out = self._run(self.to_hidden(new), tokens[:, self.n_real + 1 : n_feats + 1], self.n_real)
-        self.n_real = n_feats
-        draft, self.q = [], []
+        t, device = n_feats - self.n_real, tokens.device
+        pos = torch.arange(self.n_real, n_feats, device=device)[None]
+        out = self.step(self.to_hidden(new), self.embed(tokens[:, self.n_real + 1 : n_feats + 1]), pos,
+                        causal_mask(t, n_feats, device=device), self.cache)
+        self.n_real, self.fed, self.outs = n_feats, [], {-1: out[:, -1:]}
+        return self.logits(out[:, -1:])[0, 0]
+
+    def expand(self, draft, nodes: list[int]) -> torch.Tensor:
+        """Feed draft `nodes` (whose parents were fed before) in one drafter pass -> logits [n, V]
+        for their children."""
+        device = self.outs[-1].device
+        hidden = torch.cat([self.outs[draft.parents[i]] for i in nodes], dim=1)
+        ids = torch.tensor([[draft.tokens[i] for i in nodes]], device=device)
+        # Pair (parent output, node token) predicts the node's children: position n_real - 1 + depth.
+        pos = torch.tensor([[self.n_real - 1 + draft.depth(i) for i in nodes]], device=device)
+        keys = self.fed + nodes  # the drafter cache holds real pairs, then fed nodes in this order
+        tree = ancestor_mask(draft.parents, device)[nodes][:, keys]
+        mask = torch.cat([torch.ones(len(nodes), self.n_real, dtype=torch.bool, device=device), tree], dim=1)
+        out = self.step(hidden, self.embed(ids), pos, mask[None, None], self.cache)
+        self.fed += nodes
+        self.outs.update({i: out[:, j : j + 1] for j, i in enumerate(nodes)})
+        return self.logits(out)[0]
+
+    @torch.no_grad()
+    def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None):
+        logits, draft = self._prefill(tokens, feats), Draft()
         for i in range(k):
-            logits = self.logits(out[:, -1:])[0, 0]
-            if sampler is None:
-                nxt = int(logits.argmax())
-            else:
-                q = sampler.probs(logits)
-                nxt = sampler.sample(q)
-                self.q.append(q)
-            draft.append(nxt)
+            q = None if sampler is None else sampler.probs(logits)
+            node = draft.add(int(logits.argmax()) if q is None else sampler.sample(q), i - 1, q)
             if i + 1 < k:
-                # The next pair is (own output for the position just predicted, that token).
-                out = self._run(out[:, -1:], torch.tensor([[nxt]], device=tokens.device), n_feats + i)
+                logits = self.expand(draft, [node])[0]
         return draft
+
+    @torch.no_grad()
+    def propose_tree(self, tokens: torch.Tensor, feats: dict, spec):
+        return grow_tree(spec, self._prefill(tokens, feats), self.expand)

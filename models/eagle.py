@@ -19,7 +19,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from draftsmith.models.common import ChainProposer, causal_mask
+from draftsmith.models.common import FeatureProposer, causal_mask
 from draftsmith.train.losses import smooth_l1_feature_loss, soft_cross_entropy
 
 NAME = "eagle"
@@ -127,6 +127,6 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig):
     return loss, sel.sum(), {"feat_loss": l_feat.detach(), "token_loss": l_tok.detach(), "acc": acc.detach()}
 
 
-def make_proposer(drafter, target, cfg: DrafterConfig) -> ChainProposer:
-    return ChainProposer(drafter, target, FEATURES, to_hidden=lambda feats: feats["last_hidden"], step=drafter,
+def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
+    return FeatureProposer(drafter, target, FEATURES, to_hidden=lambda feats: feats["last_hidden"], step=drafter,
                          logits=target.get_output_embeddings())

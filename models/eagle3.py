@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import ChainProposer, causal_mask
+from draftsmith.models.common import FeatureProposer, causal_mask
 from draftsmith.models.eagle import layer_config
 from draftsmith.train.losses import soft_cross_entropy
 
@@ -215,9 +215,9 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig):
     return total, labels[0][1].sum().long(), metrics
 
 
-def make_proposer(drafter, target, cfg: DrafterConfig) -> ChainProposer:
+def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
     names = feature_names(cfg, target.config)
-    return ChainProposer(
+    return FeatureProposer(
         drafter, target, names,
         to_hidden=lambda feats: drafter.fc(aux_features(feats, names)),
         step=drafter.step,

@@ -62,8 +62,8 @@ def test_proposer_cache_matches_a_full_recompute(tiny_target):
         with torch.no_grad():
             t = n - 1
             h = drafter(f[:, :t], embed(tokens[:, 1:n]), torch.arange(t)[None], causal_mask(t, t))
-        assert draft[0] == int(lm_head(h[:, -1]).argmax())
-        assert len(draft) == 3
+        assert draft.tokens[0] == int(lm_head(h[:, -1]).argmax())
+        assert draft.parents == [-1, 0, 1]  # a chain
 
 
 def test_causal_mask_with_cache_offset():

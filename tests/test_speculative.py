@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from draftsmith.eval.tree import Draft
 from draftsmith.eval.speculative import NgramProposer, Stats, speculative_greedy, target_greedy
 from draftsmith.models import eagle
 
@@ -19,12 +20,12 @@ class OracleProposer:
         pass
 
     def propose(self, tokens, feats, k, sampler=None):
-        return target_greedy(self.target, tokens[0].tolist(), k, eos=set())
+        return Draft.chain(target_greedy(self.target, tokens[0].tolist(), k, eos=set()))
 
 
 class WrongProposer(OracleProposer):
     def propose(self, tokens, feats, k, sampler=None):
-        return [(t + 1) % self.target.config.vocab_size for t in super().propose(tokens, feats, k)]
+        return Draft.chain([(t + 1) % self.target.config.vocab_size for t in super().propose(tokens, feats, k).tokens])
 
 
 PROMPT = [1, 7, 9, 30, 31, 7, 9, 12]
@@ -68,5 +69,5 @@ def test_greedy_is_lossless_with_random_eagle_and_ngram_drafters(tiny_target, se
 
 def test_ngram_proposes_what_followed_the_last_match():
     tokens = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
-    assert NgramProposer().propose(tokens, None, 2) == [8, 9]
-    assert NgramProposer().propose(torch.tensor([[1, 2, 3]]), None, 2) == []
+    assert NgramProposer().propose(tokens, None, 2).tokens == [8, 9]
+    assert NgramProposer().propose(torch.tensor([[1, 2, 3]]), None, 2).tokens == []

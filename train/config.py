@@ -72,6 +72,7 @@ class EvalConfig:
     """0 = greedy (token-exact lossless check); > 0 = lossless speculative sampling."""
     top_p: float = 1.0
     tree: str | None = None
+    """Draft tree instead of a chain, e.g. `dynamic:depth=5,top_k=8,tokens=48` (see eval/tree.py)."""
     dtype: str = "float32"
 
 
@@ -228,6 +229,10 @@ def _validate(cfg: Config, where: str) -> None:
     for ok, key, expected in checks:
         if not ok:
             raise DraftsmithError(f"{where}: {key} must be {expected}")
+    if cfg.eval.tree:
+        from draftsmith.eval.tree import parse_tree
+
+        parse_tree(cfg.eval.tree, f"{where}: eval.tree")
 
 
 def save_yaml(data: dict, path: Path) -> None:

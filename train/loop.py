@@ -186,7 +186,7 @@ def train(cfg: Config) -> Path:
         report = evaluate(module.make_proposer(drafter, target, dcfg), module.NAME, target, tok, cfg.data.holdout,
                           out=run_dir / "eval", k=cfg.eval.k, num_prompts=cfg.eval.num_prompts,
                           max_new_tokens=cfg.eval.max_new_tokens, target_name=cfg.target,
-                          temperature=cfg.eval.temperature, top_p=cfg.eval.top_p)
+                          temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, tree=cfg.eval.tree)
         from draftsmith.eval.report import format_table
 
         print0(format_table([report]))
