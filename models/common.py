@@ -33,6 +33,21 @@ def causal_mask(q_len: int, kv_len: int, padding: torch.Tensor | None = None, de
     return mask | eye
 
 
+def ttt_mask(t: int, step: int, padding: torch.Tensor) -> torch.Tensor:
+    """Attention mask [B, 1, t, t*(step+1)] for unrolled step `step` of training-time test
+    (EAGLE-3) and of HASS context alignment (EAGLE-1 with `hass: true`): the same unroll.
+
+    Chains are indexed by their root r (the last position with a real target feature). Keys are
+    the real pairs of step 0 (block 0: causal, r' <= r) and, for steps 1..step, only the chain's own
+    earlier draft states (diagonal blocks). That is exactly what draft step `step` sees at
+    inference: the real KV cache up to r plus its own previous drafts.
+    """
+    blocks = [causal_mask(t, t, padding, device=padding.device)]
+    eye = torch.eye(t, dtype=torch.bool, device=padding.device)[None, None].expand(padding.shape[0], 1, t, t)
+    blocks += [eye] * step
+    return torch.cat(blocks, dim=-1)
+
+
 def save_drafter(module: torch.nn.Module, out: Path, meta: dict) -> Path:
     """Write `config.json` + `model.safetensors` to a temp folder, then rename into place."""
     out = Path(out)

@@ -8,6 +8,8 @@ The drafter autoregresses on the target's *features* f (post-norm last hidden st
     logits for t_{i+2} = target.lm_head(f̂_{i+1})
 
 Embeddings and lm_head are the target's own, frozen and shared; only fc + the layer train.
+With `hass: true`, training also unrolls the drafter on its own features (HASS context alignment,
+Zhang et al. 2024, arXiv:2408.15766) and adds a top-k distillation loss.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
+from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from draftsmith.models.common import FeatureProposer, causal_mask
-from draftsmith.train.losses import smooth_l1_feature_loss, soft_cross_entropy
+from draftsmith.models.common import FeatureProposer, ttt_mask
+from draftsmith.train.losses import smooth_l1_feature_loss, soft_cross_entropy, topk_distillation_loss
 
 NAME = "eagle"
 # Feature contract: which target tensors this family trains on. The online loop computes them
@@ -36,6 +38,14 @@ class DrafterConfig:
     """Weight of the soft cross-entropy against the target's next-token distribution (EAGLE-1: 0.1)."""
     feature_noise: float = 0.1
     """Uniform noise U(-a, a) added to input features in training, so the drafter tolerates its own errors."""
+    hass: bool = False
+    """HASS (arXiv:2408.15766): context alignment (unroll `hass_steps` passes on the drafter's own
+    features, as at inference) plus top-k distillation. Off = plain EAGLE-1."""
+    hass_steps: int = 3
+    """Forward passes per batch with `hass` (HASS's forward_num_total); pass j trains draft step j+1."""
+    hass_topk: int = 10
+    hass_topk_weight: float = 1.0
+    """Weight of the top-k distillation loss (HASS: 1.0 in its second stage)."""
 
 
 def layer_config(target_config) -> LlamaConfig:
@@ -75,12 +85,31 @@ class EagleDrafter(nn.Module):
         self.layer.input_layernorm = nn.Identity()
         self.rotary = LlamaRotaryEmbedding(config)
 
-    def forward(self, features, token_embeds, position_ids, attention_mask, cache=None):
-        """features, token_embeds: [B, T, H] (pair i = f_i with embed(t_{i+1})); returns f̂ [B, T, H]."""
+    def step(self, features, token_embeds, position_ids, attention_mask, cache=None):
+        """One drafter pass. features, token_embeds: [B, T, H] (pair i = f_i with embed(t_{i+1}));
+        returns f̂ [B, T, H]."""
         x = self.fc(torch.cat([token_embeds, features.to(token_embeds.dtype)], dim=-1))
         pos_emb = self.rotary(x, position_ids)
         return self.layer(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                           use_cache=cache is not None, position_embeddings=pos_emb)
+
+    def forward(self, features, embeds, padding, steps: int = 1):
+        """The training pass, unrolled `steps` times in one call (one forward per backward for DDP).
+
+        features: [B, t, H] target features f_0..f_{t-1}; embeds: [B, t + steps - 1, H] embeddings of
+        tokens 1..; padding: [B, t]. Step j of chain r feeds (f_r if j = 0, else step j-1's output at
+        r) with token t_{r+j+1} at position r+j, and predicts f_{r+j+1}. Step 0 alone is EAGLE-1;
+        more steps are HASS context alignment. Returns [out_0, ..], each [B, t, H].
+        """
+        bsz, t = padding.shape
+        roots = torch.arange(t, device=padding.device)
+        cache = DynamicCache() if steps > 1 else None
+        hidden, outs = features, []
+        for j in range(steps):
+            hidden = self.step(hidden, embeds[:, j : j + t], (roots + j)[None].expand(bsz, -1),
+                               ttt_mask(t, j, padding), cache)
+            outs.append(hidden)
+        return outs
 
 
 def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
@@ -96,37 +125,50 @@ def rebuild(meta: dict, target) -> EagleDrafter:
 
 
 def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig):
-    """Returns (loss_sum, n_tokens, metric_sums) over the tokens the loss mask keeps.
+    """Returns (loss_sum, n_tokens, metric_sums) over the tokens the loss mask keeps; n_tokens
+    counts step-0 positions.
 
     batch: input_ids, attention_mask, loss_mask [B, T]; feats["last_hidden"]: [B, T, H].
     """
     ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     f = feats["last_hidden"]
+    steps = cfg.hass_steps if cfg.hass else 1
+    seq, t = ids.shape[1], ids.shape[1] - 1
     # EAGLE pairs feature i with token i+1: position i sees f_i and embed(t_{i+1}) and must
     # predict f_{i+1}, whose lm_head distribution is the target's prediction of t_{i+2}.
-    f_in, f_tgt = f[:, :-1], f[:, 1:]
-    tok_in = ids[:, 1:]
-    # So the loss at position i counts iff token i+2 is a trained (assistant) token; the last
-    # position has no token i+2 and is dropped.
-    mask = torch.cat([lmask[:, 2:], torch.zeros_like(lmask[:, :1])], dim=1).float()
+    f_in = f[:, :-1]
     if drafter.training and cfg.feature_noise > 0:
         f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * cfg.feature_noise
-    t = f_in.shape[1]
-    pos = torch.arange(t, device=ids.device)[None].expand(ids.shape[0], -1)
-    amask = causal_mask(t, t, attn[:, 1:], device=ids.device)
+    # Unrolled steps read tokens, features and mask past the end: padding, masked out below.
+    ids_ext = torch.nn.functional.pad(ids, (0, steps - 1))
+    f_ext = torch.nn.functional.pad(f, (0, 0, 0, steps - 1))
+    lmask_ext = torch.nn.functional.pad(lmask, (0, steps))
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    f_hat = drafter(f_in, embed(tok_in), pos, amask)
-    sel = mask.bool()
-    pred, true = f_hat[sel], f_tgt[sel].to(f_hat.dtype)
-    ones = torch.ones(pred.shape[0], device=pred.device)
-    s_logits, t_logits = lm_head(pred), lm_head(true)
-    l_feat = smooth_l1_feature_loss(pred, true, ones)
-    l_tok = soft_cross_entropy(s_logits, t_logits, ones)
-    loss = cfg.feature_loss_weight * l_feat + cfg.token_loss_weight * l_tok
-    acc = (s_logits.argmax(-1) == t_logits.argmax(-1)).sum()
-    return loss, sel.sum(), {"feat_loss": l_feat.detach(), "token_loss": l_tok.detach(), "acc": acc.detach()}
+    outs = drafter(f_in, embed(ids_ext[:, 1:]), attn[:, 1:], steps)
+    roots = torch.arange(t, device=ids.device)
+    total, metrics = 0.0, {}
+    for j, out in enumerate(outs):
+        # Step j of chain r predicts f_{r+j+1}, i.e. the target's distribution for t_{r+j+2}:
+        # counted iff that token exists and is trained (an assistant token).
+        sel = (roots + j + 2 < seq)[None] & lmask_ext[:, j + 2 : j + 2 + t].bool()
+        pred, true = out[sel], f_ext[:, j + 1 : j + 1 + t][sel].to(out.dtype)
+        ones = torch.ones(pred.shape[0], device=pred.device)
+        s_logits, t_logits = lm_head(pred), lm_head(true)
+        l_feat = smooth_l1_feature_loss(pred, true, ones)
+        l_tok = soft_cross_entropy(s_logits, t_logits, ones)
+        loss = cfg.feature_loss_weight * l_feat + cfg.token_loss_weight * l_tok
+        if cfg.hass:
+            loss = loss + cfg.hass_topk_weight * topk_distillation_loss(s_logits, t_logits, ones, cfg.hass_topk)
+        total = total + loss
+        acc = (s_logits.argmax(-1) == t_logits.argmax(-1)).sum().detach()
+        if j == 0:
+            n_tokens = sel.sum()
+            metrics.update(feat_loss=l_feat.detach(), token_loss=l_tok.detach(), acc=acc)
+        else:
+            metrics[f"acc{j}"] = acc
+    return total, n_tokens, metrics
 
 
 def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
-    return FeatureProposer(drafter, target, FEATURES, to_hidden=lambda feats: feats["last_hidden"], step=drafter,
+    return FeatureProposer(drafter, target, FEATURES, to_hidden=lambda feats: feats["last_hidden"], step=drafter.step,
                          logits=target.get_output_embeddings())

@@ -21,9 +21,9 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import FeatureProposer, causal_mask
+from draftsmith.models.common import FeatureProposer, ttt_mask
 from draftsmith.models.eagle import layer_config
-from draftsmith.train.losses import soft_cross_entropy
+from draftsmith.train.losses import soft_cross_entropy, topk_distillation_loss
 
 NAME = "eagle3"
 
@@ -38,6 +38,10 @@ class DrafterConfig:
     """Training-time-test unroll depth: step j trains the prediction j+1 tokens past the last real feature."""
     step_decay: float = 0.8
     """Loss weight of step j is step_decay ** j."""
+    hass: bool = False
+    """HASS top-k distillation on every TTT step (the TTT unroll already is HASS's context alignment)."""
+    hass_topk: int = 10
+    hass_topk_weight: float = 1.0
 
 
 def aux_layers(cfg: DrafterConfig, target_config) -> list[int]:
@@ -152,20 +156,6 @@ def aux_features(feats: dict, names: tuple[str, ...]) -> torch.Tensor:
     return torch.cat([feats[n] for n in names if n.startswith("hidden.")], dim=-1)
 
 
-def ttt_mask(t: int, step: int, padding: torch.Tensor) -> torch.Tensor:
-    """Attention mask [B, 1, t, t*(step+1)] for unrolled step `step` of training-time test.
-
-    Chains are indexed by their root r (the last position with a real target feature). Keys are
-    the real pairs of step 0 (block 0: causal, r' <= r) and, for steps 1..step, only the chain's own
-    earlier draft states (diagonal blocks). That is exactly what draft step `step` sees at
-    inference: the real KV cache up to r plus its own previous drafts.
-    """
-    blocks = [causal_mask(t, t, padding, device=padding.device)]
-    eye = torch.eye(t, dtype=torch.bool, device=padding.device)[None, None].expand(padding.shape[0], 1, t, t)
-    blocks += [eye] * step
-    return torch.cat(blocks, dim=-1)
-
-
 def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig):
     """Returns (loss_sum, n_tokens, metric_sums); n_tokens counts step-0 positions.
 
@@ -209,7 +199,10 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig):
     logits = drafter(aux.to(core.fc.weight.dtype), embeds, attn[:, :t], selections)
     total, metrics = 0.0, {}
     for j, (s_logits, (t_draft, keep)) in enumerate(zip(logits, labels)):
-        total = total + cfg.step_decay ** j * soft_cross_entropy(s_logits, t_draft, keep)
+        loss = soft_cross_entropy(s_logits, t_draft, keep)
+        if cfg.hass:  # the target's top-k among draft-vocab tokens
+            loss = loss + cfg.hass_topk_weight * topk_distillation_loss(s_logits, t_draft, keep, cfg.hass_topk)
+        total = total + cfg.step_decay ** j * loss
         hits = ((s_logits.argmax(-1) == t_draft.argmax(-1)).float() * keep).sum().detach()
         metrics["acc" if j == 0 else f"acc{j}"] = hits
     return total, labels[0][1].sum().long(), metrics

@@ -2,6 +2,7 @@
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from draftsmith.data.features import target_features
 from draftsmith.models import eagle
@@ -15,9 +16,9 @@ class Recorder(nn.Module):
         super().__init__()
         self.output, self.calls = output, []
 
-    def forward(self, features, token_embeds, position_ids, attention_mask, cache=None):
-        self.calls.append((features, token_embeds))
-        return self.output
+    def forward(self, features, embeds, padding, steps=1):
+        self.calls.append((features, embeds))
+        return [self.output]
 
 
 def _batch(target):
@@ -61,7 +62,7 @@ def test_proposer_cache_matches_a_full_recompute(tiny_target):
         draft = proposer.propose(tokens[:, :n], {"last_hidden": f[:, : n - 1]}, k=3)
         with torch.no_grad():
             t = n - 1
-            h = drafter(f[:, :t], embed(tokens[:, 1:n]), torch.arange(t)[None], causal_mask(t, t))
+            h = drafter.step(f[:, :t], embed(tokens[:, 1:n]), torch.arange(t)[None], causal_mask(t, t))
         assert draft.tokens[0] == int(lm_head(h[:, -1]).argmax())
         assert draft.parents == [-1, 0, 1]  # a chain
 
@@ -71,3 +72,40 @@ def test_causal_mask_with_cache_offset():
     assert m.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
     padded = causal_mask(3, 3, torch.tensor([[1, 1, 0]]))[0, 0]
     assert padded[1].tolist() == [True, True, False] and padded[2, 2]  # a pad query sees itself only
+
+
+def test_hass_alignment_step_j_matches_inference_draft_step_j(tiny_target):
+    """HASS context alignment: unrolled training pass j gives, for a chain rooted at r, the output
+    cached inference gives at draft step j when the earlier drafts were the true tokens."""
+    target, _ = tiny_target
+    torch.manual_seed(0)
+    drafter = eagle.build(eagle.DrafterConfig(hass=True), target).eval()
+    ids = torch.randint(5, 90, (1, 14))
+    f = target_features(target, {"input_ids": ids}, eagle.FEATURES)["last_hidden"]
+    t, steps, root = ids.shape[1] - 1, 3, 5
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        train = drafter(f[:, :t], embed(torch.nn.functional.pad(ids, (0, steps - 1))[:, 1:]), torch.ones(1, t), steps)
+        cache = DynamicCache()
+        out = drafter.step(f[:, : root + 1], embed(ids[:, 1 : root + 2]), torch.arange(root + 1)[None],
+                           causal_mask(root + 1, root + 1), cache)[:, -1:]
+        for j in range(steps):
+            assert torch.allclose(out[0, 0], train[j][0, root], atol=1e-5), j
+            pos = root + 1 + j
+            out = drafter.step(out, embed(ids[:, pos + 1 : pos + 2]), torch.tensor([[pos]]), causal_mask(1, pos + 1), cache)
+
+
+def test_hass_training_counts_every_alignment_step(tiny_target):
+    target, _ = tiny_target
+    batch = _batch(target)
+    f = target_features(target, batch, eagle.FEATURES)
+    torch.manual_seed(0)
+    drafter = eagle.build(eagle.DrafterConfig(), target)
+    plain, n, m = eagle.compute_loss(drafter, target, batch, f, eagle.DrafterConfig(feature_noise=0.0))
+    torch.manual_seed(0)
+    hass_cfg = eagle.DrafterConfig(feature_noise=0.0, hass=True, hass_steps=3)
+    hass, n_h, m_h = eagle.compute_loss(drafter, target, batch, f, hass_cfg)
+    assert n_h == n and set(m_h) >= {"acc", "acc1", "acc2"}
+    assert hass > plain  # two more alignment passes and the top-k term add loss
+    hass.backward()
+    assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0

@@ -1,6 +1,7 @@
 import torch
 
-from draftsmith.train.losses import expected_acceptance, kl_divergence, smooth_l1_feature_loss, soft_cross_entropy
+from draftsmith.train.losses import (expected_acceptance, kl_divergence, smooth_l1_feature_loss, soft_cross_entropy,
+                                     topk_distillation_loss)
 
 
 def test_identical_distributions_have_zero_divergence_and_full_acceptance():
@@ -30,3 +31,12 @@ def test_acceptance_is_one_minus_tvd_and_kl_positive():
     tvd = 0.5 * (s.softmax(-1) - t.softmax(-1)).abs().sum(-1)
     assert torch.allclose(expected_acceptance(s, t, torch.ones(4)), (1 - tvd).sum(), atol=1e-5)
     assert kl_divergence(s, t, torch.ones(4)) > 0
+
+
+def test_topk_distillation_is_soft_ce_over_the_teachers_top_k():
+    torch.manual_seed(0)
+    s, t, mask = torch.randn(6, 20), torch.randn(6, 20), torch.ones(6)
+    full = soft_cross_entropy(s, t, mask)
+    assert torch.allclose(topk_distillation_loss(s, t, mask, 20), full)
+    part = [topk_distillation_loss(s, t, mask, k) for k in (1, 5, 10)]
+    assert 0 < part[0] < part[1] < part[2] < full  # each extra token adds p(x) * -log q(x) > 0

@@ -28,6 +28,22 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tenso
     return (-(p_teacher * log_q).sum(-1) * mask).sum()
 
 
+def topk_distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
+                           k: int) -> torch.Tensor:
+    """HASS harmonized objective distillation (Zhang et al. 2024, "Learning Harmonized
+    Representations for Speculative Sampling", arXiv:2408.15766): the cross-entropy restricted to
+    the teacher's top-k tokens, -sum_{x in topk(p)} p(x) log q(x), so training spends its capacity
+    on the tokens a draft tree actually proposes.
+
+    student_logits, teacher_logits: [N, V]; mask: [N]. Returns the sum over masked rows. With
+    k = V it equals soft_cross_entropy; for k < V it is between 0 and soft_cross_entropy.
+    """
+    p = F.softmax(teacher_logits.float(), dim=-1)
+    log_q = F.log_softmax(student_logits.float(), dim=-1)
+    top_p, idx = p.topk(min(k, p.shape[-1]), dim=-1)
+    return (-(top_p * log_q.gather(-1, idx)).sum(-1) * mask).sum()
+
+
 def kl_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Forward KL(p_teacher || q_student) summed over masked rows; [N, V] logits, [N] mask.
 
