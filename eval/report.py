@@ -13,24 +13,31 @@ LOSSLESS = {True: "yes", False: "NO", None: "sampled*"}
 
 
 def format_table(reports: list[dict]) -> str:
-    head = "| drafter | k | τ | acceptance | per-position | lossless | target tok/s | spec tok/s | speedup |"
+    head = "| drafter | draft | τ | acceptance | per-position | lossless | target tok/s | spec tok/s | speedup |"
     rows = [head, "|" + "---|" * 9]
     for r in reports:
         pp = " ".join(f"{p:.2f}" for p in r["per_position"]) or "-"
-        rows.append(f"| {r['drafter']} | {r['k']} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | "
+        rows.append(f"| {r['drafter']} | {_shape(r)} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | "
                     f"{LOSSLESS[r['lossless']]} | {r['target_tokens_per_s']:.1f} | "
                     f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
     return "\n".join(rows)
+
+
+def _shape(r: dict) -> str:
+    """chain K=5, or the tree spec with the mean number of draft nodes verified per pass."""
+    if r.get("tree"):
+        return f"tree {r['tree']} ({r.get('draft_tokens_per_pass', '?')} nodes/pass)"
+    return f"chain K={r['k']}" if r["k"] else "-"
 
 
 def _markdown(r: dict) -> str:
     return "\n".join([
         f"# Speculative decoding eval: {r['drafter']} vs {r['target']}", "",
         f"Holdout `{r['holdout']}`, {r['num_prompts']} prompts, {r['new_tokens']} new tokens, "
-        f"temperature {r['temperature']}, batch size {r.get('batch_size', 1)}, chain K={r['k']}.", "",
+        f"temperature {r['temperature']}, batch size {r.get('batch_size', 1)}, draft: {_shape(r)}.", "",
         format_table([r]), "",
         "τ = tokens emitted per target verification pass (bonus token included), pooled over prompts.",
-        "Per-position acceptance j = P(draft token j accepted | tokens < j accepted).",
+        "Per-position acceptance j = P(draft token j accepted | tokens < j accepted); on a tree, j is the depth.",
         "Lossless = every output identical to target-only greedy decoding of the same prompt.",
         "*sampled: outputs differ by design at temperature > 0; the rejection rule's exactness is",
         "checked as a distribution (chi-square test in draftsmith's test suite).", "",

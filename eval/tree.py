@@ -53,6 +53,14 @@ class Draft:
             i, d = self.parents[i], d + 1
         return d
 
+    def ancestors(self, i: int) -> set[int]:
+        """Node i and its ancestors (the root excluded)."""
+        out = set()
+        while i >= 0:
+            out.add(i)
+            i = self.parents[i]
+        return out
+
     def children(self, i: int) -> list[int]:
         return [c for c, p in enumerate(self.parents) if p == i]
 

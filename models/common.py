@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
-from draftsmith.eval.tree import Draft, ancestor_mask, grow_tree
+from draftsmith.eval.tree import Draft, grow_tree
 
 FORMAT_VERSION = 1
 
@@ -158,7 +158,7 @@ class FeatureProposer:
         # Pair (parent output, node token) predicts the node's children: position n_real - 1 + depth.
         pos = torch.tensor([[self.n_real - 1 + draft.depth(i) for i in nodes]], device=device)
         keys = self.fed + nodes  # the drafter cache holds real pairs, then fed nodes in this order
-        tree = ancestor_mask(draft.parents, device)[nodes][:, keys]
+        tree = torch.tensor([[k in anc for k in keys] for anc in map(draft.ancestors, nodes)], device=device)
         mask = torch.cat([torch.ones(len(nodes), self.n_real, dtype=torch.bool, device=device), tree], dim=1)
         out = self.step(hidden, self.embed(ids), pos, mask[None, None], self.cache)
         self.fed += nodes

@@ -27,6 +27,7 @@ def test_help_lists_the_contract_subcommands():
     (["train", "nope.yaml"], "nope.yaml: recipe file not found"),
     (["train", "recipes/cpu/eagle-smollm2.yaml", "optim.lrr=1"], "unknown key 'lrr'; did you mean 'lr'"),
     (["eval", "--drafter", "/nonexistent", "--data", "x.jsonl", "--target", "smollm2-135m"], "not a draftsmith drafter folder"),
+    (["eval", "--drafter", "none", "--data", "x.jsonl", "--tree", "dynamic:depth=two"], "--tree: bad item 'depth=two'"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
     r = _run(*args)
@@ -51,6 +52,9 @@ def test_baselines_none_and_ngram(tiny_target_dir, chat_jsonl, tmp_path):
         assert r["lossless"] and r["drafter"] == drafter and r["num_prompts"] == 3
         if drafter == "none":
             assert r["tau"] == 1.0 and r["per_position"] == [] and r["k"] == 0
+    # Prompt lookup proposes chains; asking it for a tree is a one-line error.
+    assert main(["eval", "--drafter", "ngram", "--target", str(tiny_target_dir), "--data", str(chat_jsonl),
+                 "--tree", "dynamic"]) == 1
 
 
 def test_regenerate_is_resumable(tiny_target_dir, chat_jsonl, tmp_path):

@@ -99,3 +99,28 @@ def test_export_refuses_other_target_and_unknown_format(tiny_target, other_targe
     with pytest.raises(DraftsmithError, match="exports to vllm, sglang"):
         export(path, target, "speculators", tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_eagle3_bench_runs_every_row_on_tiny_drafters(tiny_target_dir, chat_jsonl, tmp_path, capsys):
+    """The issue-3 benchmark end to end on tiny drafters: every row present, greedy rows lossless,
+    costs computed from the real modules."""
+    from draftsmith.eval.bench import eagle3 as bench
+    from draftsmith.models.target import load_target
+
+    target, _ = load_target(str(tiny_target_dir))
+    paths = {}
+    for module, cfg in ((eagle, eagle.DrafterConfig()), (eagle3, eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=48))):
+        path = _save(tmp_path, module, cfg, target)
+        meta = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**meta, "target": str(tiny_target_dir)}))
+        paths[module.NAME] = str(path)
+    out = tmp_path / "bench.json"
+    bench.main(["--eagle", paths["eagle"], "--eagle3", paths["eagle3"], "--data", str(chat_jsonl), "--num-prompts", "2",
+                "--max-new-tokens", "8", "--tree", "dynamic:depth=3,top_k=2,tokens=5", "--out", str(out)])
+    result = json.loads(out.read_text())
+    rows = [(r["drafter"], r["tree"], r["temperature"]) for r in result["reports"]]
+    assert len(rows) == 8 and ("eagle3", "dynamic:depth=3,top_k=2,tokens=5", 0.7) in rows
+    assert all(r["lossless"] for r in result["reports"] if r["temperature"] == 0)
+    c3, c1 = result["costs"]["eagle3"], result["costs"]["eagle"]
+    assert c3["draft_vocab"] == 48 and 0 < c3["draft_flops_fraction"] < c1["draft_flops_fraction"]
+    assert "draft FLOPs/token vs target" in capsys.readouterr().out

@@ -12,6 +12,7 @@ import hashlib
 import json
 from contextlib import nullcontext
 import math
+import resource
 import time
 from pathlib import Path
 
@@ -173,7 +174,9 @@ def train(cfg: Config) -> Path:
     if accelerator.is_main_process:
         meta = {"drafter": module.NAME, "drafter_config": dict(cfg.drafter), "target": cfg.target,
                 "target_fingerprint": fp, "steps": step, "train_data": cfg.data.train,
-                "train_seconds": round(time.perf_counter() - t_start, 1), "processes": world}
+                "train_seconds": round(time.perf_counter() - t_start, 1), "processes": world,
+                # ru_maxrss is in KiB on Linux: this rank's peak, target and data included.
+                "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
         save_drafter(accelerator.unwrap_model(drafter), final, meta)
         print0(f"saved drafter to {final}")
     if cfg.eval.enabled and accelerator.is_main_process:

@@ -1,0 +1,137 @@
+"""EAGLE-1 vs EAGLE-3, chain vs tree, greedy and sampled: the issue-3 benchmark, side by side.
+
+    python -m draftsmith.eval.bench.eagle3 --eagle checkpoints/eagle-smollm2/final \\
+        --eagle3 checkpoints/eagle3-smollm2/final --tree dynamic:depth=6,top_k=4,tokens=16
+
+One process, one target, the same holdout prompts for every row. For each drafter: τ with a chain
+of K drafts and with the draft tree, greedy (token-exact lossless check against target-only
+decoding) and sampled (`--temperature`; exactness there is a distribution property, covered by the
+chi-square tests in tests/test_sampling.py and tests/test_tree.py). Each row's speedup is measured
+against target-only decoding of the same prompts in the same pass. Then per drafter: trainable
+parameters, draft vocabulary, measured drafting time per round vs one target forward, and the
+per-token draft FLOPs as a fraction of the target's (2 x weights multiplied per token; attention
+over the context is left out, which at these lengths is a few percent). Training time and peak RSS
+come from the drafter's config.json (recorded by `draftsmith train`); eval peak RSS is this process's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+
+from torch import nn
+
+from draftsmith.eval.report import format_table
+from draftsmith.eval.run import evaluate, load_drafter
+from draftsmith.models.target import ensure_pad, load_target
+
+
+class TimedProposer:
+    """Wraps a proposer and adds up the wall time spent drafting and the draft steps taken."""
+
+    def __init__(self, proposer):
+        self.inner, self.feature_names = proposer, proposer.feature_names
+        self.seconds, self.rounds, self.steps = 0.0, 0, 0
+
+    def reset(self):
+        self.inner.reset()
+
+    def _timed(self, fn, *args, steps):
+        t = time.perf_counter()
+        draft = fn(*args)
+        self.seconds += time.perf_counter() - t
+        self.rounds += 1
+        self.steps += steps
+        return draft
+
+    def propose(self, tokens, feats, k, sampler=None):
+        return self._timed(self.inner.propose, tokens, feats, k, sampler, steps=k)
+
+    def propose_tree(self, tokens, feats, spec):
+        return self._timed(self.inner.propose_tree, tokens, feats, spec, steps=spec.depth)
+
+
+def matmul_weights(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
+    return sum(m.weight.numel() for name, m in module.named_modules()
+               if isinstance(m, nn.Linear) and not name.startswith(skip))
+
+
+def draft_flops_fraction(drafter, target) -> float:
+    """Weights multiplied per draft step / per target token. EAGLE-1 applies fc every step and the
+    target's full lm_head; EAGLE-3 applies fc only to verified features (once per accepted token,
+    not per draft step) and its own reduced lm_head."""
+    if hasattr(drafter, "lm_head"):  # EAGLE-3
+        per_step = matmul_weights(drafter, skip=("fc",))
+    else:
+        per_step = matmul_weights(drafter) + target.get_output_embeddings().weight.numel()
+    return per_step / matmul_weights(target)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--eagle", default="checkpoints/eagle-smollm2/final")
+    p.add_argument("--eagle3", default="checkpoints/eagle3-smollm2/final")
+    p.add_argument("--data", default="builtin:code-holdout")
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--tree", default="dynamic:depth=6,top_k=4,tokens=16")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampled rows; 0 skips them")
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--out", default="", help="also write the results as JSON here")
+    args = p.parse_args(argv)
+
+    metas = {name: json.loads((Path(path) / "config.json").read_text())
+             for name, path in (("eagle", args.eagle), ("eagle3", args.eagle3)) if path}
+    target_name = next(iter(metas.values()))["target"]
+    target, tok = load_target(target_name)
+    ensure_pad(tok)
+    common = dict(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, target_name=target_name)
+    reports, costs = [], {}
+    for name, meta in metas.items():
+        module, dcfg, drafter = load_drafter(getattr(args, name), target)
+        timed = TimedProposer(module.make_proposer(drafter, target, dcfg))
+        runs = [dict(k=args.k), dict(tree=args.tree)]
+        if args.temperature > 0:
+            runs += [dict(k=args.k, temperature=args.temperature), dict(tree=args.tree, temperature=args.temperature)]
+        greedy_chain_seconds = None
+        for run in runs:
+            before = (timed.seconds, timed.rounds, timed.steps)
+            r = evaluate(timed, name, target, tok, args.data, None, **common, **run)
+            r["draft_ms_per_round"] = round(1e3 * (timed.seconds - before[0]) / max(timed.rounds - before[1], 1), 2)
+            reports.append(r)
+            if greedy_chain_seconds is None:
+                greedy_chain_seconds = (timed.seconds - before[0]) / max(timed.steps - before[2], 1)
+        costs[name] = {
+            "params": sum(p.numel() for p in drafter.parameters()),
+            "draft_vocab": drafter.lm_head.out_features if hasattr(drafter, "lm_head") else target.config.vocab_size,
+            "draft_ms_per_chain_step": round(1e3 * greedy_chain_seconds, 2),
+            "draft_flops_fraction": round(draft_flops_fraction(drafter, target), 4),
+            "train_seconds": meta.get("train_seconds"), "train_steps": meta.get("steps"),
+            "train_peak_rss_gb": meta.get("peak_rss_gb"),
+        }
+
+    print(format_table(reports))
+    print("\n| drafter | draft | T | τ | draft ms/round | lossless | speedup |\n|---|---|---|---|---|---|---|")
+    for r in reports:
+        shape = f"tree {r['tree']}" if r["tree"] else f"chain K={r['k']}"
+        print(f"| {r['drafter']} | {shape} | {r['temperature']} | {r['tau']:.2f} | {r['draft_ms_per_round']} | "
+              f"{r['lossless']} | {r['speedup']:.2f}x |")
+    target_ms = 1e3 / reports[0]["target_tokens_per_s"]
+    print(f"\ntarget-only decoding: {target_ms:.1f} ms per token (one forward with a KV cache)")
+    print("| drafter | params | draft vocab | draft ms/step | vs target forward | draft FLOPs/token vs target | "
+          "train s (steps) | train peak RSS GB |\n|---|---|---|---|---|---|---|---|")
+    for name, c in costs.items():
+        print(f"| {name} | {c['params'] / 1e6:.2f}M | {c['draft_vocab']} / {target.config.vocab_size} | "
+              f"{c['draft_ms_per_chain_step']} | {c['draft_ms_per_chain_step'] / target_ms:.2f} | "
+              f"{c['draft_flops_fraction']:.3f} | {c['train_seconds']} ({c['train_steps']}) | {c['train_peak_rss_gb']} |")
+    eval_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"peak RSS of this eval process: {eval_rss:.2f} GB")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"reports": reports, "costs": costs, "eval_peak_rss_gb": eval_rss}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
