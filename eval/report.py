@@ -39,6 +39,8 @@ def _markdown(r: dict) -> str:
         "τ = tokens emitted per target verification pass (bonus token included), pooled over prompts.",
         "Per-position acceptance j = P(draft token j accepted | tokens < j accepted); on a tree, j is the depth.",
         "Lossless = every output identical to target-only greedy decoding of the same prompt.",
+        f"Mismatching prompts: {r.get('lossless_mismatches')}; target logit gap at each first divergence: "
+        f"{r.get('mismatch_logit_gaps') or '-'} (bf16 near-ties show as gaps near bf16 resolution).",
         "*sampled: outputs differ by design at temperature > 0; the rejection rule's exactness is",
         "checked as a distribution (chi-square test in draftsmith's test suite).", "",
     ])

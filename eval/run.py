@@ -40,6 +40,17 @@ def make_baseline(name: str):
     return NgramProposer() if name == "ngram" else None
 
 
+@torch.no_grad()
+def divergence_gap(target, prompt: list[int], ref: list[int], generated: list[int]) -> float:
+    """Where two greedy decodings of one prompt first differ, the target's logit gap between the two
+    tokens, from one plain forward over the prompt and the common prefix. In fp32 any mismatch is a
+    bug; in bf16 the target's logits depend on how many tokens one forward processes (kernel
+    blocking), and a gap near bf16 resolution marks a numerical near-tie, not a wrong rule."""
+    i = next((i for i, (a, b) in enumerate(zip(ref, generated)) if a != b), min(len(ref), len(generated)) - 1)
+    logits = target(torch.tensor([prompt + ref[:i]], device=next(target.parameters()).device)).logits[0, -1].float()
+    return abs(float(logits[ref[i]] - logits[generated[i]]))
+
+
 def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k: int = 5, num_prompts: int = 20,
              max_new_tokens: int = 64, target_name: str = "", temperature: float = 0.0, top_p: float = 1.0,
              tree: str | None = None) -> dict:
@@ -60,7 +71,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         """None = greedy; otherwise one warping shared by target and drafter (lossless sampling)."""
         return Sampler(temperature, top_p, seed, device) if temperature > 0 else None
 
-    stats, ref_s, mismatches, ref_tokens = Stats(k=max(k, 1)), 0.0, 0, 0
+    stats, ref_s, mismatches, ref_tokens, gaps = Stats(k=max(k, 1)), 0.0, 0, 0, []
     # Warm up both paths once so one-time allocation costs do not bias the first timing.
     target_decode(target, prompts[0][:8], max_new_tokens, eos, sampler(0))
     speculative_decode(target, proposer, prompts[0][:8], k, max_new_tokens, eos, sampler(0), tree=spec)
@@ -72,6 +83,8 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         ref_tokens += len(ref)
         stats.new_tokens += len(generated)
         mismatches += int(generated != ref)
+        if temperature == 0 and generated != ref:
+            gaps.append(round(divergence_gap(target, prompt, ref, generated), 4))
     target_tps, spec_tps = ref_tokens / ref_s, stats.new_tokens / stats.seconds
     report = {
         "drafter": name, "target": target_name, "holdout": holdout,
@@ -84,7 +97,9 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         "target_tokens_per_s": round(target_tps, 2), "spec_tokens_per_s": round(spec_tps, 2),
         "speedup": round(spec_tps / target_tps, 3),
         # Beyond the fixed keys: the conditions users need to read the numbers.
-        "batch_size": 1, "top_p": top_p, "draft_tokens_per_pass": round(stats.proposed / max(stats.passes, 1), 2), "lossless_mismatches": mismatches if temperature == 0 else None, "dtype": str(next(target.parameters()).dtype),
+        "batch_size": 1, "top_p": top_p, "draft_tokens_per_pass": round(stats.proposed / max(stats.passes, 1), 2),
+        "lossless_mismatches": mismatches if temperature == 0 else None, "mismatch_logit_gaps": gaps,
+        "dtype": str(next(target.parameters()).dtype),
         "device": str(next(target.parameters()).device), "threads": torch.get_num_threads(),
     }
     if out is not None:

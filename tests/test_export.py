@@ -115,7 +115,7 @@ def test_eagle3_bench_runs_every_row_on_tiny_drafters(tiny_target_dir, chat_json
         (path / "config.json").write_text(json.dumps({**meta, "target": str(tiny_target_dir)}))
         paths[module.NAME] = str(path)
     out = tmp_path / "bench.json"
-    bench.main(["--eagle", paths["eagle"], "--eagle3", paths["eagle3"], "--data", str(chat_jsonl), "--num-prompts", "2",
+    bench.main(["--drafter", f"eagle={paths['eagle']}", "--drafter", f"eagle3={paths['eagle3']}", "--data", str(chat_jsonl), "--num-prompts", "2",
                 "--max-new-tokens", "8", "--tree", "dynamic:depth=3,top_k=2,tokens=5", "--out", str(out)])
     result = json.loads(out.read_text())
     rows = [(r["drafter"], r["tree"], r["temperature"]) for r in result["reports"]]

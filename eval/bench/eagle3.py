@@ -1,7 +1,7 @@
 """EAGLE-1 vs EAGLE-3, chain vs tree, greedy and sampled: the issue-3 benchmark, side by side.
 
-    python -m draftsmith.eval.bench.eagle3 --eagle checkpoints/eagle-smollm2/final \\
-        --eagle3 checkpoints/eagle3-smollm2/final --tree dynamic:depth=6,top_k=4,tokens=16
+    python -m draftsmith.eval.bench.eagle3 --drafter eagle=checkpoints/eagle-smollm2/final \\
+        --drafter eagle3=checkpoints/eagle3-smollm2/final --tree dynamic:depth=6,top_k=4,tokens=16
 
 One process, one target, the same holdout prompts for every row. For each drafter: τ with a chain
 of K drafts and with the draft tree, greedy (token-exact lossless check against target-only
@@ -72,26 +72,29 @@ def draft_flops_fraction(drafter, target) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--eagle", default="checkpoints/eagle-smollm2/final")
-    p.add_argument("--eagle3", default="checkpoints/eagle3-smollm2/final")
+    p.add_argument("--drafter", action="append", metavar="LABEL=DIR",
+                   help="a trained drafter, repeatable (default: the eagle and eagle3 CPU recipes' outputs)")
     p.add_argument("--data", default="builtin:code-holdout")
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--tree", default="dynamic:depth=6,top_k=4,tokens=16")
     p.add_argument("--temperature", type=float, default=0.7, help="sampled rows; 0 skips them")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="target and drafter precision, the same for target-only and speculative decoding")
     p.add_argument("--out", default="", help="also write the results as JSON here")
     args = p.parse_args(argv)
 
-    metas = {name: json.loads((Path(path) / "config.json").read_text())
-             for name, path in (("eagle", args.eagle), ("eagle3", args.eagle3)) if path}
+    drafters = dict(d.split("=", 1) for d in args.drafter or
+                    ["eagle=checkpoints/eagle-smollm2/final", "eagle3=checkpoints/eagle3-smollm2/final"])
+    metas = {name: json.loads((Path(path) / "config.json").read_text()) for name, path in drafters.items()}
     target_name = next(iter(metas.values()))["target"]
-    target, tok = load_target(target_name)
+    target, tok = load_target(target_name, args.dtype)
     ensure_pad(tok)
     common = dict(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, target_name=target_name)
     reports, costs = [], {}
     for name, meta in metas.items():
-        module, dcfg, drafter = load_drafter(getattr(args, name), target)
+        module, dcfg, drafter = load_drafter(drafters[name], target)
         timed = TimedProposer(module.make_proposer(drafter, target, dcfg))
         runs = [dict(k=args.k), dict(tree=args.tree)]
         if args.temperature > 0:
@@ -114,11 +117,14 @@ def main(argv=None) -> None:
         }
 
     print(format_table(reports))
-    print("\n| drafter | draft | T | τ | draft ms/round | lossless | speedup |\n|---|---|---|---|---|---|---|")
+    print(f"\n{args.dtype}: | drafter | draft | T | τ | draft ms/round | lossless (mismatching prompts, max logit gap) "
+          "| speedup |\n|---|---|---|---|---|---|---|")
     for r in reports:
         shape = f"tree {r['tree']}" if r["tree"] else f"chain K={r['k']}"
+        exact = "sampled" if r["lossless"] is None else (
+            f"{r['lossless']} ({r['lossless_mismatches']}, {max(r['mismatch_logit_gaps'], default=0):.3f})")
         print(f"| {r['drafter']} | {shape} | {r['temperature']} | {r['tau']:.2f} | {r['draft_ms_per_round']} | "
-              f"{r['lossless']} | {r['speedup']:.2f}x |")
+              f"{exact} | {r['speedup']:.2f}x |")
     target_ms = 1e3 / reports[0]["target_tokens_per_s"]
     print(f"\ntarget-only decoding: {target_ms:.1f} ms per token (one forward with a KV cache)")
     print("| drafter | params | draft vocab | draft ms/step | vs target forward | draft FLOPs/token vs target | "
