@@ -1,0 +1,52 @@
+"""What one target verification pass costs as the draft grows: the budget a draft tree spends.
+
+    python -m draftsmith.eval.bench.verify_cost --dtypes float32 bfloat16
+
+For each precision: the wall time of one target forward over n new tokens on top of a 200-token KV
+cache, for n = 1 (plain decoding) up to 32 (a large tree), median of 7, and its ratio to n = 1.
+Speculation pays only while tau grows faster than this ratio plus the drafting time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from draftsmith.models.target import load_target
+
+
+@torch.no_grad()
+def forward_ms(target, context: torch.Tensor, n: int, reps: int = 7) -> float:
+    times = []
+    for _ in range(reps):
+        cache = DynamicCache()
+        target(context, cache=cache, use_cache=True)
+        new = torch.randint(100, 1000, (1, n))
+        t = time.perf_counter()
+        target(new, cache=cache, use_cache=True)
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
+    p.add_argument("--context", type=int, default=200)
+    args = p.parse_args(argv)
+    context = torch.randint(100, 1000, (1, args.context), generator=torch.Generator().manual_seed(0))
+    print(f"| dtype | {' | '.join(f'n={n}' for n in args.tokens)} |\n|---|{'---|' * len(args.tokens)}")
+    for dtype in args.dtypes:
+        target, _ = load_target(args.target, dtype)
+        ms = [forward_ms(target, context, n) for n in args.tokens]
+        print(f"| {dtype} ms | {' | '.join(f'{m:.1f}' for m in ms)} |")
+        print(f"| {dtype} / n=1 | {' | '.join(f'{m / ms[0]:.2f}' for m in ms)} |")
+
+
+if __name__ == "__main__":
+    main()
