@@ -25,7 +25,7 @@ def forward_ms(target, context: torch.Tensor, n: int, reps: int = 7) -> float:
     for _ in range(reps):
         cache = DynamicCache()
         target(context, cache=cache, use_cache=True)
-        new = torch.randint(100, 1000, (1, n))
+        new = torch.randint(0, target.config.vocab_size, (1, n))
         t = time.perf_counter()
         target(new, cache=cache, use_cache=True)
         times.append(time.perf_counter() - t)
@@ -39,10 +39,10 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
     p.add_argument("--context", type=int, default=200)
     args = p.parse_args(argv)
-    context = torch.randint(100, 1000, (1, args.context), generator=torch.Generator().manual_seed(0))
     print(f"| dtype | {' | '.join(f'n={n}' for n in args.tokens)} |\n|---|{'---|' * len(args.tokens)}")
     for dtype in args.dtypes:
         target, _ = load_target(args.target, dtype)
+        context = torch.randint(0, target.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
         ms = [forward_ms(target, context, n) for n in args.tokens]
         print(f"| {dtype} ms | {' | '.join(f'{m:.1f}' for m in ms)} |")
         print(f"| {dtype} / n=1 | {' | '.join(f'{m / ms[0]:.2f}' for m in ms)} |")
