@@ -92,7 +92,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         "k": k, "tree": tree, "tau": round(stats.tau, 4), "acceptance_rate": round(stats.acceptance_rate, 4),
         "per_position": [round(p, 4) for p in stats.per_position] if k else [],
         # Greedy: checked token by token. Sampling: outputs differ by design; exactness is a
-        # distribution-level property, tested by the chi-square test in tests/test_sampling.py.
+        # distribution-level property, tested by chi-square tests in tests/test_sampling.py and test_tree.py.
         "lossless": mismatches == 0 if temperature == 0 else None,
         "target_tokens_per_s": round(target_tps, 2), "spec_tokens_per_s": round(spec_tps, 2),
         "speedup": round(spec_tps / target_tps, 3),
