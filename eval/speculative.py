@@ -38,14 +38,14 @@ class Stats:
         self.reached = self.reached or [0] * self.k
         self.accepted_at = self.accepted_at or [0] * self.k
 
-    def record(self, n_draft: int, n_accepted: int, n_emitted: int, depth: int | None = None) -> None:
+    def record(self, n_draft: int, n_accepted: int, n_emitted: int, depth: int) -> None:
         """n_draft: draft nodes scored; depth: the draft's depth (= n_draft for a chain)."""
         self.passes += 1
         self.emitted += n_emitted
         self.proposed += n_draft
         self.accepted += n_accepted
         # Position (depth) j is reached iff positions 0..j-1 were all accepted.
-        for j in range(min(n_accepted + 1, n_draft if depth is None else depth)):
+        for j in range(min(n_accepted + 1, depth)):
             self.reached[j] += 1
             self.accepted_at[j] += int(j < n_accepted)
 

@@ -61,6 +61,12 @@ class Draft:
             i = self.parents[i]
         return out
 
+    def ancestor_rows(self, nodes, keys) -> torch.Tensor:
+        """[len(nodes), len(keys)] bool: True where the key node is the query node or one of its
+        ancestors (tree attention)."""
+        rows = [[k in anc for k in keys] for anc in map(self.ancestors, nodes)]
+        return torch.tensor(rows, dtype=torch.bool).reshape(len(rows), len(keys))
+
     def children(self, i: int) -> list[int]:
         return [c for c, p in enumerate(self.parents) if p == i]
 
@@ -77,25 +83,15 @@ class Draft:
                      [self.qs[i] for i in keep])
 
 
-def ancestor_mask(parents: list[int], device=None) -> torch.Tensor:
-    """[n, n] bool: entry (i, j) is True iff node j is node i or one of its ancestors."""
-    n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:  # parents precede children, so row p is already complete
-            mask[i] |= mask[p]
-    return mask.to(device)
-
-
 def verification_inputs(draft: Draft, prefix: int, device=None):
     """Mask [1, 1, 1+n, prefix+1+n] and position ids [1, 1+n] for the target pass over
     [root, node_0 .. node_{n-1}]; the root is the last verified token at position `prefix`."""
-    parents = [-1] + [p + 1 for p in draft.parents]  # row 0 is the root; node i is row i+1
-    tree = ancestor_mask(parents)
-    tree[1:, 0] = True  # every node descends from the root
-    tree[0, 1:] = False
-    mask = torch.cat([torch.ones(len(parents), prefix, dtype=torch.bool), tree], dim=1)
-    depth = torch.tensor([0] + [draft.depth(i) for i in range(len(draft.tokens))])
+    n = len(draft.tokens)
+    tree = torch.zeros(1 + n, 1 + n, dtype=torch.bool)
+    tree[:, 0] = True  # the root (row/column 0) sees itself, and every node descends from it
+    tree[1:, 1:] = draft.ancestor_rows(range(n), range(n))
+    mask = torch.cat([torch.ones(1 + n, prefix, dtype=torch.bool), tree], dim=1)
+    depth = torch.tensor([0] + [draft.depth(i) for i in range(n)])
     return mask[None, None].to(device), (prefix + depth)[None].to(device)
 
 

@@ -158,7 +158,7 @@ class FeatureProposer:
         # Pair (parent output, node token) predicts the node's children: position n_real - 1 + depth.
         pos = torch.tensor([[self.n_real - 1 + draft.depth(i) for i in nodes]], device=device)
         keys = self.fed + nodes  # the drafter cache holds real pairs, then fed nodes in this order
-        tree = torch.tensor([[k in anc for k in keys] for anc in map(draft.ancestors, nodes)], device=device)
+        tree = draft.ancestor_rows(nodes, keys).to(device)
         mask = torch.cat([torch.ones(len(nodes), self.n_real, dtype=torch.bool, device=device), tree], dim=1)
         out = self.step(hidden, self.embed(ids), pos, mask[None, None], self.cache)
         self.fed += nodes
