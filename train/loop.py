@@ -29,6 +29,9 @@ from draftsmith.data.features import FeatureCache, target_features, write_cache
 from draftsmith.models.common import save_drafter
 from draftsmith.models.registry import drafter_module
 from draftsmith.data.regenerate import cached_regeneration
+# Imported with the loop, not at the eval stage: the eval runs the code the training run started with.
+from draftsmith.eval.report import format_table
+from draftsmith.eval.run import evaluate
 from draftsmith.models.target import cache_root, ensure_pad, fingerprint, load_target
 from draftsmith.train import checkpoint
 from draftsmith.train.config import Config, drafter_config, save_yaml, to_dict
@@ -180,8 +183,6 @@ def train(cfg: Config) -> Path:
         save_drafter(accelerator.unwrap_model(drafter), final, meta)
         print0(f"saved drafter to {final}")
     if cfg.eval.enabled and accelerator.is_main_process:
-        from draftsmith.eval.run import evaluate
-
         if cfg.eval.dtype != cfg.target_dtype:  # e.g. trained on bf16 features, evaluated in fp32
             target, _ = load_target(cfg.target, cfg.eval.dtype, cfg.cache_dir, accelerator.device)
         param = next(target.parameters())
@@ -190,8 +191,6 @@ def train(cfg: Config) -> Path:
                           out=run_dir / "eval", k=cfg.eval.k, num_prompts=cfg.eval.num_prompts,
                           max_new_tokens=cfg.eval.max_new_tokens, target_name=cfg.target,
                           temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, tree=cfg.eval.tree)
-        from draftsmith.eval.report import format_table
-
         print0(format_table([report]))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # also tears down the process group, so it comes last
