@@ -8,7 +8,7 @@ import datasets
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.data.load import read_records, to_messages, tokenize_example
+from draftsmith.data.load import read_records, to_messages, tokenize_example, tokenized_example
 
 
 def build_dataset(spec: str, tok, max_length: int, max_examples: int = 0, num_proc: int = 1) -> datasets.Dataset:
@@ -17,6 +17,9 @@ def build_dataset(spec: str, tok, max_length: int, max_examples: int = 0, num_pr
     rows = read_records(spec)
     if max_examples:
         rows = rows[:max_examples]
+    if rows and "completion_ids" in rows[0]:
+        return _filter(datasets.Dataset.from_list(
+            [{**tokenized_example(r, len(tok), max_length, f"{spec}: record {n}"), "idx": n} for n, r in enumerate(rows)]), spec)
     items = [to_messages(r, f"{spec}: record {n}") for n, r in enumerate(rows)]
     # Validate formats eagerly above (clear file errors); tokenize through datasets.map.
     ds = datasets.Dataset.from_dict({"item": [i if isinstance(i, list) else [{"role": "text", "content": i}] for i in items]})
@@ -29,6 +32,10 @@ def build_dataset(spec: str, tok, max_length: int, max_examples: int = 0, num_pr
 
     ds = ds.map(encode, with_indices=True, remove_columns=["item"], num_proc=num_proc if num_proc > 1 else None,
                 desc="tokenize")
+    return _filter(ds, spec)
+
+
+def _filter(ds: datasets.Dataset, spec: str) -> datasets.Dataset:
     ds = ds.filter(lambda ex: sum(ex["loss_mask"]) > 2)
     if len(ds) == 0:
         raise DraftsmithError(f"{spec}: no examples left after filtering (need assistant tokens within data.max_length)")

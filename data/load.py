@@ -118,6 +118,20 @@ def tokenize_example(tok, item: list[dict] | str, max_length: int, where: str) -
     return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
 
 
+def tokenized_example(row: dict, vocab: int, max_length: int, where: str) -> dict:
+    """A record that already holds the exact tokens (`data regenerate` writes `prompt_ids` +
+    `completion_ids`): used verbatim, never re-tokenized; loss on the completion only."""
+    ids = {}
+    for key in ("prompt_ids", "completion_ids"):
+        value = row.get(key)
+        if not isinstance(value, list) or not all(isinstance(i, int) and 0 <= i < vocab for i in value):
+            raise DraftsmithError(f"{where}: '{key}' must be a list of token ids in [0, {vocab}) for this target")
+        ids[key] = value
+    input_ids = (ids["prompt_ids"] + ids["completion_ids"])[:max_length]
+    mask = ([0] * len(ids["prompt_ids"]) + [1] * len(ids["completion_ids"]))[:max_length]
+    return {"input_ids": input_ids, "loss_mask": mask, "length": len(input_ids)}
+
+
 def load_prompts(spec: str, max_prompts: int = 0) -> list[list[dict] | str]:
     """Prompts of a holdout: chat records lose their last assistant turn; text records are kept."""
     out = []

@@ -1,36 +1,104 @@
 """Self-distillation data: the target answers the prompts itself, so the drafter learns the
 distribution it will have to predict at serving time (EAGLE-3, Medusa self-distillation).
 
-Batched, greedy or sampled. Resumable: finished answers go to `OUT.partial` as they are made;
-a rerun skips them, and the file is renamed to OUT only when every prompt is answered.
+One target pass does two jobs. While the target answers a batch of prompts (KV-cached, left-padded,
+greedy or sampled), the hidden states it computes anyway are the drafter's training features: the
+prefill yields the prompt's, every decode step the new token's. So with `names`, the features of
+every token of every answer are written in the same pass, and no second pass over the data is
+needed. The records keep the exact token ids the target produced (`prompt_ids`, `completion_ids`):
+decoding to text and re-tokenizing can change tokens, and the features belong to these ids.
+
+Resumable: each finished batch is written as one feature shard, then its records are appended to
+`OUT.partial`; a rerun skips answered prompts. OUT (records sorted by id) and the feature folder
+appear only when every prompt is answered.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import DynamicCache
 
-from draftsmith.data.load import prompt_messages, read_records, to_messages, require_chat_template
+from draftsmith.data.features import ShardWriter, target_features
+from draftsmith.data.load import encode_prompt, prompt_messages, read_records, require_chat_template, to_messages
 
 
-def _done_ids(partial: Path) -> set[int]:
-    if not partial.is_file():
-        return set()
-    done = set()
-    for line in partial.read_text().splitlines():
-        try:
-            done.add(json.loads(line)["id"])
-        except (json.JSONDecodeError, KeyError):
-            break  # a line cut by an interruption: everything before it is kept
-    return done
+def eos_ids(target, tok) -> set[int]:
+    ids = {tok.eos_token_id}
+    gen = getattr(target.generation_config, "eos_token_id", None)
+    ids |= set(gen) if isinstance(gen, (list, tuple)) else {gen}
+    return {i for i in ids if isinstance(i, int)}
 
 
 @torch.no_grad()
+def answer_batch(target, prompts: list[list[int]], max_new_tokens: int, eos: set[int], pad_id: int,
+                 names: tuple[str, ...] = (), temperature: float = 0.0, generator=None):
+    """Answer a batch of tokenized prompts; capture the `names` features of every token fed.
+
+    Returns, per prompt, (completion_ids, {name: [len(prompt) + len(completion), H]}): the answer
+    (ending with an EOS token if the target produced one) and the features of prompt + answer.
+    """
+    device = next(target.parameters()).device
+    width, bsz = max(len(p) for p in prompts), len(prompts)
+    # Left padding puts every row's newest token in the last column, so a decode step feeds [B, 1].
+    feed = torch.full((bsz, width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros(bsz, width, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        feed[b, width - len(p):] = torch.tensor(p, device=device)
+        mask[b, width - len(p):] = 1
+    real = mask.bool()  # which fed columns belong to a row's sequence (not padding, not past its end)
+    cache, answers = DynamicCache(), [[] for _ in prompts]
+    kept = [{n: [] for n in names} for _ in prompts]
+    open_rows = set(range(bsz))  # rows still choosing tokens
+    while True:
+        # Positions count real tokens only, as if each row had been fed unpadded.
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -feed.shape[1]:]
+        feats = target_features(target, {"input_ids": feed, "attention_mask": mask, "position_ids": pos},
+                                tuple(dict.fromkeys(names + ("last_hidden",))), cache)
+        for b in range(bsz):
+            for n in names:
+                kept[b][n].append(feats[n][b, real[b]])
+        if not open_rows:
+            break  # the last chosen tokens have just been fed: their features are captured
+        logits = target.get_output_embeddings()(feats["last_hidden"][:, -1]).float()
+        if temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
+        else:
+            nxt = logits.argmax(-1)
+        real = torch.zeros(bsz, 1, dtype=torch.bool, device=device)
+        for b in sorted(open_rows):
+            answers[b].append(int(nxt[b]))
+            real[b, 0] = True
+            if answers[b][-1] in eos or len(answers[b]) == max_new_tokens:
+                open_rows.discard(b)  # fed once more (for its features), then never again
+        feed = torch.where(real[:, 0], nxt, pad_id)[:, None]
+        mask = torch.cat([mask, real.long()], dim=1)
+    return [(a, {n: torch.cat(k[n]) for n in names}) for a, k in zip(answers, kept)]
+
+
+def _done_ids(partial: Path) -> set[int]:
+    """Ids of complete lines; a line cut by an interruption (and everything after it) is dropped."""
+    done, keep = set(), []
+    if partial.is_file():
+        for line in partial.read_text().splitlines():
+            try:
+                done.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError):
+                break
+            keep.append(line)
+        partial.write_text("".join(l + "\n" for l in keep))
+    return done
+
+
 def regenerate(target, tok, data: str, out: Path, batch_size: int = 8, max_new_tokens: int = 128,
-               temperature: float = 0.0, max_examples: int = 0, seed: int = 0) -> Path:
+               temperature: float = 0.0, max_examples: int = 0, seed: int = 0, names: tuple[str, ...] = (),
+               features_out: Path | None = None, fingerprint: str = "") -> Path:
+    """Answer every prompt of `data`; write records (messages + exact ids) to `out` and, with
+    `names`, the target features of every token to `features_out` (data/features.py format)."""
     require_chat_template(tok, "data regenerate")
     rows = read_records(data)[: max_examples or None]
     prompts = []
@@ -41,46 +109,48 @@ def regenerate(target, tok, data: str, out: Path, batch_size: int = 8, max_new_t
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     done = _done_ids(partial)
-    if done:  # rewrite without a possibly cut last line
-        keep = [l for l in partial.read_text().splitlines() if l.strip() and _safe_id(l) in done]
-        partial.write_text("".join(l + "\n" for l in keep))
-    todo = [i for i in range(len(prompts)) if i not in done]
-    side, tok.padding_side = tok.padding_side, "left"  # generation appends on the right: pad prompts on the left
-    device = next(target.parameters()).device
-    torch.manual_seed(seed)
+    writer = ShardWriter(features_out, names, fingerprint, target.config.hidden_size, resume=True) if names else None
+    ids = {i: encode_prompt(tok, p) for i, p in enumerate(prompts) if i not in done}
+    # Longest first, so each batch holds prompts of similar length (little padding to compute).
+    todo = sorted(ids, key=lambda i: -len(ids[i]))
+    generator = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
+    eos = eos_ids(target, tok)
     with open(partial, "a") as f:
-        for s in tqdm(range(0, len(todo), batch_size), desc="regenerate", initial=0):
-            ids = todo[s:s + batch_size]
-            texts = [tok.apply_chat_template(prompts[i], tokenize=False, add_generation_prompt=True) for i in ids]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            gen = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                                  temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-                                  pad_token_id=tok.pad_token_id)
-            for row, i in zip(gen[:, enc["input_ids"].shape[1]:], ids):
-                answer = tok.decode(row, skip_special_tokens=True).strip()
-                msgs = prompts[i] + [{"role": "assistant", "content": answer}]
-                f.write(json.dumps({"id": i, "messages": msgs}) + "\n")
+        for s in tqdm(range(0, len(todo), batch_size), desc="regenerate"):
+            batch = todo[s:s + batch_size]
+            results = answer_batch(target, [ids[i] for i in batch], max_new_tokens, eos, tok.pad_token_id,
+                                   names, temperature, generator)
+            if writer:  # features first: a record is only ever written once its features are on disk
+                writer.write_shard({i: feats for i, (_, feats) in zip(batch, results)})
+            for i, (answer, _) in zip(batch, results):
+                text = tok.decode(answer, skip_special_tokens=True).strip()
+                f.write(json.dumps({"id": i, "messages": prompts[i] + [{"role": "assistant", "content": text}],
+                                    "prompt_ids": ids[i], "completion_ids": answer}) + "\n")
             f.flush()
-    tok.padding_side = side
-    partial.replace(out)
+    lines = sorted(partial.read_text().splitlines(), key=lambda l: json.loads(l)["id"])
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(l + "\n" for l in lines))
+    if writer:
+        writer.finish(len(lines))
+    tmp.replace(out)
+    partial.unlink()
     return out
-
-
-def _safe_id(line: str):
-    try:
-        return json.loads(line)["id"]
-    except (json.JSONDecodeError, KeyError):
-        return None
 
 
 def cached_regeneration(target, tok, data: str, fingerprint: str, cache_dir: Path, max_examples: int,
-                        max_new_tokens: int, batch_size: int) -> Path:
+                        max_new_tokens: int, batch_size: int, names: tuple[str, ...] = ()) -> tuple[Path, Path | None]:
     """`data.regenerate=true` in a recipe: regenerate once per (target, data, size) and reuse it.
+    With `names` (offline features), the same pass caches the features -> (records, feature folder).
     An interrupted regeneration resumes from its `.partial` file on the next run."""
-    import hashlib
-
-    key = hashlib.sha256(json.dumps([fingerprint, data, max_examples, max_new_tokens]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([fingerprint, data, max_examples, max_new_tokens, 2]).encode()).hexdigest()[:16]
     out = Path(cache_dir) / "regenerated" / f"{key}.jsonl"
-    if not out.is_file():
-        regenerate(target, tok, data, out, batch_size, max_new_tokens, 0.0, max_examples)
-    return out
+    dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
+    feats = (Path(cache_dir) / "regenerated" / f"{key}-{'-'.join(sorted(names))}-{dtype}") if names else None
+    if out.is_file() and (feats is None or (feats / "index.json").is_file()):
+        return out, feats
+    if out.is_file():  # answered before without these features: the caller caches them separately
+        return out, None
+    regenerate(target, tok, data, out, batch_size, max_new_tokens, 0.0, max_examples, names=names,
+               features_out=feats, fingerprint=fingerprint)
+    return out, feats
+

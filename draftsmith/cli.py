@@ -32,6 +32,19 @@ DATA_HELP = """examples:
   draftsmith data corpus builtin:code --out code.jsonl"""
 
 
+DTYPE_HELP = "auto (bf16 only where the hardware runs it natively, else fp32), no/fp32/float32, bf16/bfloat16, fp16 (CUDA)"
+
+
+def dtype_arg(value: str) -> str:
+    """--dtype: any precision name train/precision.py accepts; a bad one is an argparse error."""
+    from draftsmith.train.precision import check
+
+    try:
+        return check(value, "--dtype")
+    except DraftsmithError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_train(args) -> None:
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train
@@ -144,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--top-p", type=float, default=1.0)
     e.add_argument("--max-new-tokens", type=int, default=64)
     e.add_argument("--num-prompts", type=int, default=20)
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    e.add_argument("--dtype", default="auto", type=dtype_arg, help=DTYPE_HELP)
     e.add_argument("--out", help="report folder (default: next to the drafter)")
     e.set_defaults(fn=cmd_eval)
 
@@ -165,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-new-tokens", type=int, default=128)
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--max-examples", type=int, default=0)
-    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    r.add_argument("--dtype", default="auto", type=dtype_arg, help=DTYPE_HELP)
     r.set_defaults(fn=cmd_regenerate)
     f = dsub.add_parser("features", help="cache the target features a recipe's drafter trains on (bf16 safetensors)")
     f.add_argument("recipe")

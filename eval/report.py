@@ -30,11 +30,18 @@ def _shape(r: dict) -> str:
     return f"chain K={r['k']}" if r["k"] else "-"
 
 
+def _where(r: dict) -> str:
+    """`AMD EPYC (cpu, 2 threads, no native bf16), float32`: the hardware a speedup belongs to."""
+    bf16 = {True: "native bf16", False: "no native bf16"}.get(r.get("native_bf16"), "native bf16 unknown")
+    return f"{r.get('device_name', '?')} ({r.get('device', '?')}, {r.get('threads', '?')} threads, {bf16}), {r.get('dtype', '?')}"
+
+
 def _markdown(r: dict) -> str:
     return "\n".join([
         f"# Speculative decoding eval: {r['drafter']} vs {r['target']}", "",
         f"Holdout `{r['holdout']}`, {r['num_prompts']} prompts, {r['new_tokens']} new tokens, "
-        f"temperature {r['temperature']}, batch size {r.get('batch_size', 1)}, draft: {_shape(r)}.", "",
+        f"temperature {r['temperature']}, batch size {r.get('batch_size', 1)}, draft: {_shape(r)}.",
+        f"Measured on {_where(r)}.", "",
         format_table([r]), "",
         "τ = tokens emitted per target verification pass (bonus token included), pooled over prompts.",
         "Per-position acceptance j = P(draft token j accepted | tokens < j accepted); on a tree, j is the depth.",

@@ -16,6 +16,7 @@ from draftsmith.models.common import check_fingerprint, load_state, read_drafter
 from draftsmith.models.registry import drafter_module
 from draftsmith.models.target import fingerprint
 from draftsmith.train.config import from_dict
+from draftsmith.train.precision import hardware
 
 
 def load_drafter(path: str | Path, target):
@@ -99,8 +100,10 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         # Beyond the fixed keys: the conditions users need to read the numbers.
         "batch_size": 1, "top_p": top_p, "draft_tokens_per_pass": round(stats.proposed / max(stats.passes, 1), 2),
         "lossless_mismatches": mismatches if temperature == 0 else None, "mismatch_logit_gaps": gaps,
-        "dtype": str(next(target.parameters()).dtype),
-        "device": str(next(target.parameters()).device), "threads": torch.get_num_threads(),
+        "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        # Where it was measured (device, CPU model or GPU name, native bf16, threads): a speedup
+        # read later means nothing without it.
+        **hardware(device),
     }
     if out is not None:
         write_report(report, out)

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import DraftsmithError
+from draftsmith.models.target import served_name
 
 FORMATS = {"eagle": ("vllm", "sglang"), "eagle3": ("sglang", "vllm", "speculators")}
 
@@ -69,7 +70,8 @@ def _eagle3_speculators(drafter, meta: dict, target) -> tuple[dict, dict]:
                   "algorithm": "eagle3", "default_proposal_method": "greedy",
                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": meta.get("k", 5),
                                         "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-                  "verifier": {"name_or_path": meta["target"], "architectures": list(target.config.architectures or [])}},
+                  # A name vLLM and speculators resolve, never draftsmith's own alias.
+                  "verifier": {"name_or_path": served_name(meta["target"]), "architectures": list(target.config.architectures or [])}},
               "transformer_layer_config": dims}
     return config, state
 

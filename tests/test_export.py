@@ -124,3 +124,13 @@ def test_eagle3_bench_runs_every_row_on_tiny_drafters(tiny_target_dir, chat_json
     c3, c1 = result["costs"]["eagle3"], result["costs"]["eagle"]
     assert c3["draft_vocab"] == 48 and 0 < c3["draft_flops_fraction"] < c1["draft_flops_fraction"]
     assert "draft FLOPs/token vs target" in capsys.readouterr().out
+
+
+def test_exports_name_a_target_serving_engines_resolve(tmp_path):
+    from draftsmith.models.target import served_name
+
+    # draftsmith's alias means nothing to vLLM or speculators: the hub id behind it is written instead.
+    assert served_name("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert served_name("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
+    (tmp_path / "local").mkdir()
+    assert served_name(str(tmp_path / "local")) == str((tmp_path / "local").resolve())

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from draftsmith import DraftsmithError
+from draftsmith.train import precision
 
 
 @dataclass
@@ -56,8 +57,9 @@ class OptimConfig:
     schedule: str = "cosine"
     """`cosine`, `linear` or `constant` (after warmup)."""
     clip_grad: float = 0.5
-    mixed_precision: str = "no"
-    """`no` (fp32), `bf16` or `fp16`; passed to accelerate."""
+    mixed_precision: str = "auto"
+    """`auto` (bf16 where the hardware runs it natively, else fp32), `no`/`fp32`, `bf16` or `fp16` (CUDA
+    only); see train/precision.py. Passed to accelerate."""
     seed: int = 0
 
 
@@ -73,7 +75,8 @@ class EvalConfig:
     top_p: float = 1.0
     tree: str | None = None
     """Draft tree instead of a chain, e.g. `dynamic:depth=5,top_k=8,tokens=48` (see eval/tree.py)."""
-    dtype: str = "float32"
+    dtype: str = "auto"
+    """Target and drafter dtype in the eval stage: `auto`, `float32`/`no` or `bfloat16` (train/precision.py)."""
 
 
 @dataclass
@@ -92,7 +95,9 @@ class Config:
     log_every: int = 10
     tracker: str = "none"
     """`none`, `wandb` or `tensorboard` (through accelerate)."""
-    target_dtype: str = "float32"
+    target_dtype: str = "auto"
+    """dtype the frozen target is loaded in for training and feature caching: `auto`, `float32`/`no`,
+    `bfloat16` or `float16` (CUDA only)."""
     cache_dir: str = ""
     """Where the embedded target is cached as safetensors (default ~/.cache/draftsmith)."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -218,21 +223,40 @@ def drafter_config(cfg: Config) -> Any:
 def _validate(cfg: Config, where: str) -> None:
     checks = [
         (cfg.optim.schedule in ("cosine", "linear", "constant"), "optim.schedule", "cosine, linear or constant"),
-        (cfg.optim.mixed_precision in ("no", "bf16", "fp16"), "optim.mixed_precision", "no, bf16 or fp16"),
         (cfg.tracker in ("none", "wandb", "tensorboard"), "tracker", "none, wandb or tensorboard"),
         (cfg.optim.batch_size >= 1, "optim.batch_size", "an integer >= 1"),
         (cfg.optim.grad_accum >= 1, "optim.grad_accum", "an integer >= 1"),
         (cfg.eval.k >= 1, "eval.k", "an integer >= 1"),
         (cfg.data.max_length >= 8, "data.max_length", "an integer >= 8"),
-        (cfg.target_dtype in ("float32", "bfloat16"), "target_dtype", "float32 or bfloat16"),
     ]
     for ok, key, expected in checks:
         if not ok:
             raise DraftsmithError(f"{where}: {key} must be {expected}")
+    for key in PRECISION_KEYS:  # names only here; `auto` is resolved on the run's device (resolve_precision)
+        precision.check(_get(cfg, key), f"{where}: {key}")
     if cfg.eval.tree:
         from draftsmith.eval.tree import parse_tree
 
         parse_tree(cfg.eval.tree, f"{where}: eval.tree")
+
+
+PRECISION_KEYS = ("optim.mixed_precision", "target_dtype", "eval.dtype")
+
+
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def resolve_precision(cfg: Config, device=None) -> Config:
+    """Replace `auto` and aliases by the dtypes this device runs (float32 | bfloat16 | float16), so
+    resolved_config.yaml records what actually ran."""
+    for key in PRECISION_KEYS:
+        *parents, leaf = key.split(".")
+        node = _get(cfg, ".".join(parents)) if parents else cfg
+        setattr(node, leaf, precision.resolve(getattr(node, leaf), key, device))
+    return cfg
 
 
 def save_yaml(data: dict, path: Path) -> None:

@@ -34,7 +34,8 @@ from draftsmith.eval.report import format_table
 from draftsmith.eval.run import evaluate
 from draftsmith.models.target import cache_root, ensure_pad, fingerprint, load_target
 from draftsmith.train import checkpoint
-from draftsmith.train.config import Config, drafter_config, save_yaml, to_dict
+from draftsmith.train.config import Config, drafter_config, resolve_precision, save_yaml, to_dict
+from draftsmith.train.precision import ACCELERATE, describe, hardware
 
 SCHEDULES = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup,
              "constant": get_constant_schedule_with_warmup}
@@ -61,12 +62,16 @@ def train(cfg: Config) -> Path:
     # accelerate keeps its state in a process-wide singleton; a second train() in one process
     # (tests, notebooks) with another precision must start from a clean one.
     AcceleratorState._reset_state()
+    # `auto` precisions become what this hardware runs natively (bf16 only where it is native).
+    cfg = resolve_precision(cfg)
     # Without CUDA, cpu=True makes a multi-process launch (torchrun / accelerate --multi_gpu) form a
     # gloo process group instead of N independent single-process runs.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.optim.mixed_precision,
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=ACCELERATE[cfg.optim.mixed_precision],
                               log_with=None if cfg.tracker == "none" else cfg.tracker,
                               project_dir=str(cfg.run_dir))
     print0 = accelerator.print  # rank-0-only output goes through this one helper
+    print0(f"precision: train {cfg.optim.mixed_precision}, target {cfg.target_dtype}, eval {cfg.eval.dtype} "
+           f"on {describe(hardware(accelerator.device))}")
     world, rank = accelerator.num_processes, accelerator.process_index
     set_seed(cfg.optim.seed + rank)  # per-rank noise streams; data order is seeded separately
     run_dir = cfg.run_dir
@@ -80,16 +85,18 @@ def train(cfg: Config) -> Path:
         target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir, accelerator.device)
         ensure_pad(tok)
         fp = fingerprint(target)
-        train_data = cfg.data.train
-        if cfg.data.regenerate:  # self-distillation: train on the target's own answers
-            train_data = str(cached_regeneration(target, tok, cfg.data.train, fp, cache_root(cfg.cache_dir),
-                                                 cfg.data.max_examples, cfg.data.regenerate_max_new_tokens,
-                                                 cfg.data.regenerate_batch_size))
-        ds = build_dataset(train_data, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc)
         names = module.feature_names(dcfg, target.config)  # the target tensors this family trains on
-        cache = cfg.data.offline_features
+        train_data, cache = cfg.data.train, cfg.data.offline_features
+        if cfg.data.regenerate:  # self-distillation: train on the target's own answers
+            # With offline features, the pass that answers the prompts also caches their features.
+            train_data, regen_cache = cached_regeneration(
+                target, tok, cfg.data.train, fp, cache_root(cfg.cache_dir), cfg.data.max_examples,
+                cfg.data.regenerate_max_new_tokens, cfg.data.regenerate_batch_size, names if cache == "auto" else ())
+            train_data, cache = str(train_data), regen_cache or cache
+        ds = build_dataset(train_data, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc)
         if cache == "auto":  # compute the cache once per (target, data, length), reuse it for every epoch and run
-            key = json.dumps([fp, train_data, cfg.data.max_length, cfg.data.max_examples, list(names)])
+            dtype = str(next(target.parameters()).dtype)
+            key = json.dumps([fp, train_data, cfg.data.max_length, cfg.data.max_examples, list(names), dtype])
             cache = cache_root(cfg.cache_dir) / "features" / hashlib.sha256(key.encode()).hexdigest()[:16]
             if accelerator.is_main_process and not (cache / "index.json").is_file():
                 write_cache(target, ds, names, cache, fp, tok.pad_token_id)

@@ -1,0 +1,117 @@
+"""Choose the compute precision from the hardware the run is on.
+
+bf16 halves memory traffic and is the right default on CUDA GPUs that support it and on CPUs with
+native bf16 (AVX512-BF16 or AMX). On an AVX2-only CPU, torch's bf16 kernels take a slow fallback
+path: a 2048^3 bf16 matmul measured 58 s against 0.23 s in fp32 (../shared/models.md). So `auto`
+(the default everywhere) is bf16 only where bf16 is native, fp32 otherwise, and an explicit bf16
+on such a CPU still runs, after a one-line warning.
+
+Names accepted everywhere (recipes, `key=value`, `--dtype`): auto; no / fp32 / float32; bf16 /
+bfloat16; fp16 / float16 (CUDA only). YAML reads a bare `no` or `false` as a boolean: both mean fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import warnings
+
+import torch
+
+from draftsmith import DraftsmithError
+
+ALIASES = {"auto": "auto", "no": "float32", "false": "float32", "fp32": "float32", "float32": "float32",
+           "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+VALID = "auto, no/fp32/float32, bf16/bfloat16, fp16/float16 (CUDA only)"
+TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# accelerate's names for mixed precision; fp32 training is "no" mixed precision.
+ACCELERATE = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def canonical(value, where: str) -> str:
+    """Any accepted spelling -> auto | float32 | bfloat16 | float16, or a one-line error."""
+    key = str(value).strip().lower() if not isinstance(value, bool) else str(value).lower()
+    if key not in ALIASES:
+        hint = " (YAML reads yes/on as true)" if key == "true" else ""
+        raise DraftsmithError(f"{where}: unknown precision {value!r}{hint}; expected one of {VALID}")
+    return ALIASES[key]
+
+
+def cpu_native_bf16() -> bool:
+    """True where the CPU runs bf16 matmuls natively (AVX512-BF16 or AMX tiles)."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(bool(check()) for check in checks if check is not None)
+
+
+def _on_cuda(device) -> bool:
+    return torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+
+
+def check(value, where: str, device=None) -> str:
+    """canonical(), plus the one combination that cannot run: fp16 without CUDA."""
+    name = canonical(value, where)
+    if name == "float16" and not _on_cuda(device):
+        raise DraftsmithError(f"{where}: fp16 needs a CUDA GPU; on CPU use auto, no/float32 or bf16")
+    return name
+
+
+def resolve(value, where: str, device=None) -> str:
+    """The dtype a run will use, as float32 | bfloat16 | float16.
+
+    `auto`: bf16 on CUDA devices that support it, on CPU only with native bf16; fp32 otherwise.
+    An explicit bf16 on a CPU without native bf16 warns (it runs, slowly); fp16 off CUDA is an error.
+    """
+    name, cuda = check(value, where, device), _on_cuda(device)
+    if name == "auto":
+        native = torch.cuda.is_bf16_supported() if cuda else cpu_native_bf16()
+        return "bfloat16" if native else "float32"
+    if name == "bfloat16" and not cuda and not cpu_native_bf16():
+        _warn_slow_bf16(where)
+    return name
+
+
+@functools.cache  # once per setting and process, not once per call
+def _warn_slow_bf16(where: str) -> None:
+    warnings.warn(f"{where}: bf16 requested, but this CPU ({cpu_name()}) has no native bf16 (no AVX512-BF16/AMX); "
+                  "torch falls back to slow kernels (tens of times slower than fp32); `auto` would pick fp32",
+                  stacklevel=3)
+
+
+def torch_dtype(value, where: str = "dtype", device=None) -> torch.dtype:
+    return TORCH[resolve(value, where, device)]
+
+
+def mixed_precision(value, where: str = "optim.mixed_precision", device=None) -> str:
+    """The value accelerate's `Accelerator(mixed_precision=...)` takes: no | bf16 | fp16."""
+    return ACCELERATE[resolve(value, where, device)]
+
+
+@functools.cache
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def hardware(device=None) -> dict:
+    """Where a figure was measured, recorded in every report: device, its name, native bf16, threads."""
+    cuda = _on_cuda(device)
+    return {
+        "device": "cuda" if cuda else "cpu",
+        "device_name": torch.cuda.get_device_name() if cuda else cpu_name(),
+        "native_bf16": bool(torch.cuda.is_bf16_supported() if cuda else cpu_native_bf16()),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def describe(hw: dict) -> str:
+    """One line: `AMD EPYC (cpu, 2 threads, no native bf16)`."""
+    bf16 = "native bf16" if hw["native_bf16"] else "no native bf16"
+    return f"{hw['device_name']} ({hw['device']}, {hw['threads']} threads, {bf16})"
