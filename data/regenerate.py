@@ -146,9 +146,14 @@ def cached_regeneration(target, tok, data: str, fingerprint: str, cache_dir: Pat
     out = Path(cache_dir) / "regenerated" / f"{key}.jsonl"
     dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
     feats = (Path(cache_dir) / "regenerated" / f"{key}-{'-'.join(sorted(names))}-{dtype}") if names else None
-    if out.is_file() and (feats is None or (feats / "index.json").is_file()):
-        return out, feats
-    if out.is_file():  # answered before without these features: the caller caches them separately
+    if out.is_file() and feats is None:
+        return out, None
+    if out.is_file():
+        # Any cache of this regeneration that holds these features serves (EAGLE-3's four tensors
+        # include EAGLE-1's one); otherwise the caller caches them in a separate pass.
+        for index in sorted(out.parent.glob(f"{key}-*-{dtype}/index.json")):
+            if set(names) <= set(json.loads(index.read_text())["features"]):
+                return out, index.parent
         return out, None
     regenerate(target, tok, data, out, batch_size, max_new_tokens, 0.0, max_examples, names=names,
                features_out=feats, fingerprint=fingerprint)

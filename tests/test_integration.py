@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.integration
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "cpu" / "eagle-smollm2.yaml"
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "cpu" / "eagle3-smollm2.yaml"  # the quickstart
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +33,24 @@ def test_embedded_target_loads_from_cache_quickly(smollm):
 
 
 def test_shortened_quickstart(smollm, tmp_path):
+    """The quickstart recipe end to end, shortened, in the precision `auto` picks for this CPU:
+    one target pass regenerates answers and caches features, EAGLE-3 trains, a tree eval runs."""
+    from draftsmith.models.target import cache_root
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train
 
+    (tmp_path / "cache").mkdir()  # a fresh data cache, but the target already dequantized by the fixture
+    (tmp_path / "cache" / "smollm2-135m").symlink_to(cache_root() / "smollm2-135m")
     cfg = load_config(RECIPE, [
-        f"output_dir={tmp_path}", "optim.max_steps=24", "data.max_examples=48", "data.regenerate_max_new_tokens=32",
-        "optim.warmup_steps=4", "log_every=4", "save_every=0", "eval.num_prompts=3", "eval.max_new_tokens=24"])
+        f"output_dir={tmp_path}", f"cache_dir={tmp_path / 'cache'}", "optim.max_steps=12", "data.max_examples=48",
+        "data.regenerate_max_new_tokens=32", "data.regenerate_batch_size=24", "optim.warmup_steps=2", "log_every=3",
+        "save_every=0", "eval.num_prompts=3", "eval.max_new_tokens=24"])
     run = train(cfg)
     report = json.loads((run / "eval" / "report.json").read_text())
-    assert report["lossless"] and report["target"] == "smollm2-135m" and report["k"] == 5
+    assert report["lossless"] and report["target"] == "smollm2-135m" and report["tree"]
+    assert report["device_name"] and isinstance(report["native_bf16"], bool)
+    # One pass: the regeneration wrote the feature cache; no separate features pass ran.
+    assert list((tmp_path / "cache" / "regenerated").glob("*/index.json"))
+    assert not (tmp_path / "cache" / "features").exists()
     log = [json.loads(l) for l in (run / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["acc"] > log[0]["acc"]

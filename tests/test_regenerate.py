@@ -53,3 +53,16 @@ def test_regenerated_records_and_feature_cache_are_consistent(tiny_target, chat_
         fresh = target_features(target, batch, NAMES)
         for n in NAMES:
             torch.testing.assert_close(cache(batch)[n], fresh[n], atol=1e-4, rtol=1e-4)
+
+
+def test_cached_regeneration_reuses_one_pass_for_a_subset_of_features(tiny_target, chat_jsonl, tmp_path):
+    from draftsmith.data.regenerate import cached_regeneration
+
+    target, tok = tiny_target
+    ensure_pad(tok)
+    args = (target, tok, str(chat_jsonl), fingerprint(target), tmp_path, 6, 8, 4)
+    records, wide = cached_regeneration(*args, names=NAMES)  # e.g. EAGLE-3's tensors
+    mtime = records.stat().st_mtime_ns
+    again, narrow = cached_regeneration(*args, names=("last_hidden",))  # e.g. EAGLE-1's, a subset
+    assert again == records and narrow == wide and records.stat().st_mtime_ns == mtime  # no second pass
+    assert cached_regeneration(*args, names=("hidden.1",))[1] is None  # not cached: a separate pass

@@ -80,6 +80,7 @@ def train(cfg: Config) -> Path:
         save_yaml(to_dict(cfg), run_dir / "resolved_config.yaml")
 
     # --- target (frozen) and data -------------------------------------------------------------
+    phases, t_phase = {}, time.perf_counter()  # wall seconds per phase, printed and saved at the end
     module, dcfg = drafter_module(cfg.drafter["type"]), drafter_config(cfg)
     with accelerator.main_process_first():  # rank 0 dequantizes/caches the embedded target first
         target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir, accelerator.device)
@@ -101,6 +102,7 @@ def train(cfg: Config) -> Path:
             if accelerator.is_main_process and not (cache / "index.json").is_file():
                 write_cache(target, ds, names, cache, fp, tok.pad_token_id)
     features = (FeatureCache(cache, names, fp) if cache else lambda batch: target_features(target, batch, names))
+    phases["data (load target, regenerate, features)"], t_phase = time.perf_counter() - t_phase, time.perf_counter()
 
     # --- drafter, optimizer, schedule ---------------------------------------------------------
     drafter = module.build(dcfg, target, ds).to(accelerator.device)
@@ -178,6 +180,7 @@ def train(cfg: Config) -> Path:
             continue
         break
     bar.close()
+    phases["train"], t_phase = time.perf_counter() - t_phase, time.perf_counter()
     state = {"step": step, "epoch": epoch, "position": pos + 1, "target_fingerprint": fp}
     checkpoint.save(accelerator, run_dir, step, state, cfg.keep_last)
     final = run_dir / "final"
@@ -199,6 +202,10 @@ def train(cfg: Config) -> Path:
                           max_new_tokens=cfg.eval.max_new_tokens, target_name=cfg.target,
                           temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, tree=cfg.eval.tree)
         print0(format_table([report]))
+        phases["eval"] = time.perf_counter() - t_phase
+    if accelerator.is_main_process:
+        (run_dir / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in phases.items()}, indent=1))
+        print0("wall time: " + " | ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items()))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # also tears down the process group, so it comes last
     return run_dir

@@ -26,6 +26,7 @@ from torch import nn
 
 from draftsmith.eval.report import format_table
 from draftsmith.eval.run import evaluate, load_drafter
+from draftsmith.cli import DTYPE_HELP, dtype_arg
 from draftsmith.models.target import ensure_pad, load_target
 
 
@@ -80,8 +81,8 @@ def main(argv=None) -> None:
     p.add_argument("--temperature", type=float, default=0.7, help="sampled rows; 0 skips them")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="target and drafter precision, the same for target-only and speculative decoding")
+    p.add_argument("--dtype", default="auto", type=dtype_arg,
+                   help="target and drafter precision, the same for target-only and speculative decoding: " + DTYPE_HELP)
     p.add_argument("--out", default="", help="also write the results as JSON here")
     args = p.parse_args(argv)
 

@@ -16,6 +16,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from draftsmith.cli import dtype_arg
 from draftsmith.models.target import load_target
 
 
@@ -35,7 +36,8 @@ def forward_ms(target, context: torch.Tensor, n: int, reps: int = 7) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], type=dtype_arg,
+                   help="precisions to compare side by side (auto, float32/no, bf16, ...)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
     p.add_argument("--context", type=int, default=200)
     args = p.parse_args(argv)
