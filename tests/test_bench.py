@@ -10,3 +10,13 @@ def test_verify_cost_prints_a_row_per_dtype(tiny_target_dir, capsys):
     values = [float(v) for v in ms_row.strip("|").split("|")[1:]]
     assert len(values) == 2 and all(v > 0 for v in values)
     assert "| float32 / n=1 | 1.00 |" in out
+
+
+def test_precision_bench_prints_ratios_and_what_auto_picks(tiny_target_dir, capsys):
+    from draftsmith.eval.bench import precision
+
+    precision.main(["--target", str(tiny_target_dir), "--matmul", "64"])
+    out = capsys.readouterr().out
+    assert "auto picks float32" in out or "auto picks bfloat16" in out
+    rows = [l for l in out.splitlines() if l.startswith("| ") and "measurement" not in l]
+    assert len(rows) == 4 and all(float(l.strip("|").split("|")[3]) > 0 for l in rows)

@@ -58,7 +58,9 @@ def forward_s(target, new_tokens: int, context: int = 200) -> float:
 def train_step_s(target, dtype: torch.dtype, batch: int = 4, length: int = 128) -> float:
     """One EAGLE-3 step (3 fused layers, 8192-token draft vocab, 3 TTT steps) under autocast, as the
     loop runs it with mixed precision; the target's features are given (offline cache)."""
-    cfg = eagle3.DrafterConfig(draft_vocab_size=8192, ttt_steps=3)
+    layers = target.config.num_hidden_layers
+    cfg = eagle3.DrafterConfig(draft_vocab_size=min(8192, target.config.vocab_size), ttt_steps=3,
+                               aux_layers=None if layers >= 6 else [0, layers // 2, layers - 1])
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (batch, length), generator=g)
     rows = [{"input_ids": r.tolist(), "loss_mask": [0] * 32 + [1] * (length - 32)} for r in ids]

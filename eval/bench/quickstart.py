@@ -1,6 +1,6 @@
 """Benchmark the quickstart drafter against target-only decoding and prompt lookup, side by side.
 
-    python -m draftsmith.eval.bench.quickstart --drafter checkpoints/eagle-smollm2/final
+    python -m draftsmith.eval.bench.quickstart --drafter checkpoints/eagle3-smollm2/final [--tree SPEC]
 
 Same process, same prompts, same target: target-only (none), n-gram prompt lookup, the trained
 drafter. Prints the eval table, speedups relative to target-only, the drafter's training time
@@ -19,11 +19,13 @@ from pathlib import Path
 from draftsmith.eval.report import format_table
 from draftsmith.eval.run import evaluate, load_drafter, make_baseline
 from draftsmith.models.target import ensure_pad, load_target
+from draftsmith.train import precision
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--drafter", default="checkpoints/eagle-smollm2/final")
+    p.add_argument("--drafter", default="checkpoints/eagle3-smollm2/final")
+    p.add_argument("--tree", default=None, help="evaluate the drafter with this draft tree instead of a K chain")
     p.add_argument("--data", default="builtin:code-holdout")
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--num-prompts", type=int, default=20)
@@ -39,7 +41,10 @@ def main(argv=None) -> None:
     common = dict(k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, target_name=meta["target"])
     reports = [evaluate(make_baseline("none"), "none", target, tok, args.data, None, **common),
                evaluate(make_baseline("ngram"), "ngram", target, tok, args.data, None, **common),
-               evaluate(module.make_proposer(drafter, target, dcfg), module.NAME, target, tok, args.data, None, **common)]
+               evaluate(module.make_proposer(drafter, target, dcfg), module.NAME, target, tok, args.data, None,
+                        **common, tree=args.tree)]
+    print(f"measured on {precision.describe(precision.hardware(next(target.parameters()).device))}, "
+          f"{reports[0]['dtype']}")
     print(format_table(reports))
     base = reports[0]["spec_tokens_per_s"]
     for r in reports[1:]:
@@ -53,8 +58,9 @@ def main(argv=None) -> None:
         index = json.loads((Path(args.feature_cache) / "index.json").read_text())
         size = sum(os.path.getsize(Path(args.feature_cache) / s["file"]) for s in index["shards"])
         per = size / index["num_tokens"] / len(index["features"])
-        print(f"feature cache: {size / 2**20:.1f} MiB for {index['num_tokens']} tokens = {per:.1f} B/token/layer "
-              f"(2*H = {2 * index['hidden_size']})")
+        width = {"F32": 4, "BF16": 2, "F16": 2}[index["dtype"]]
+        print(f"feature cache: {size / 2**20:.1f} MiB for {index['num_tokens']} tokens = {per:.1f} B/token/tensor "
+              f"({width}*H = {width * index['hidden_size']}, {index['dtype']})")
         result["feature_bytes_per_token_per_layer"] = per
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
