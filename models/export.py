@@ -5,6 +5,7 @@
 | eagle  | `vllm`/`sglang` | vLLM `EagleLlamaForCausalLM`, SGLang `LlamaForCausalLMEagle` |
 | eagle3 | `sglang`      | official EAGLE-3 / SGLang / vLLM `LlamaForCausalLMEagle3`    |
 | eagle3 | `speculators` | vLLM speculators `Eagle3Speculator`                         |
+| medusa | `vllm`        | vLLM `MedusaModel`                                          |
 
 Every export is written to a temp folder and renamed; `import_export` maps it back to a draftsmith
 drafter so tests can check that the exported head decodes exactly like the trained one.
@@ -22,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith import DraftsmithError
 from draftsmith.models.target import served_name
 
-FORMATS = {"eagle": ("vllm", "sglang"), "eagle3": ("sglang", "vllm", "speculators")}
+FORMATS = {"eagle": ("vllm", "sglang"), "eagle3": ("sglang", "vllm", "speculators"), "medusa": ("vllm",)}
 
 
 def _llama_dims(drafter) -> dict:
@@ -76,6 +77,18 @@ def _eagle3_speculators(drafter, meta: dict, target) -> tuple[dict, dict]:
     return config, state
 
 
+def _medusa_vllm(heads, meta: dict) -> tuple[dict, dict]:
+    """vLLM `MedusaModel`: blocks.{h}.layers.{l}.weight (+ .bias only with medusa_fc_bias: vLLM builds
+    the ResBlock linears without bias otherwise) and lm_heads.{h}.weight."""
+    state = {k.replace(".linear.", "."): v for k, v in heads.state_dict().items()}
+    lm = heads.lm_heads[0]
+    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": lm.in_features,
+              "vocab_size": lm.out_features, "num_heads": len(heads.blocks),
+              "num_hidden_layers": len(heads.blocks[0].layers), "medusa_fc_bias": heads.blocks[0].layers[0].linear.bias is not None,
+              "truncated_vocab_size": None, "original_lm_head": False}
+    return config, state
+
+
 def export(drafter_dir: str | Path, target, fmt: str, out: str | Path) -> Path:
     from draftsmith.eval.run import load_drafter
 
@@ -86,6 +99,8 @@ def export(drafter_dir: str | Path, target, fmt: str, out: str | Path) -> Path:
     meta = json.loads((Path(drafter_dir) / "config.json").read_text())
     if module.NAME == "eagle":
         config, state = _eagle1(drafter, meta)
+    elif module.NAME == "medusa":
+        config, state = _medusa_vllm(drafter, meta)
     else:
         meta = {**meta, "aux_layers": list(module.aux_layers(cfg, target.config))}
         config, state = (_eagle3_speculators(drafter, meta, target) if fmt == "speculators"
@@ -126,6 +141,9 @@ def import_export(path: str | Path, target):
     renames = {("eagle", "layers.0."): "layer.", ("eagle3", "layers.0."): "midlayer."}
     state = {next((new + k[len(old):] for (fam, old), new in renames.items()
                    if fam == info["drafter"] and k.startswith(old)), k): v for k, v in state.items()}
+    if info["drafter"] == "medusa":  # blocks.h.layers.l.weight -> the ResBlock's .linear
+        state = {(k.rsplit(".", 1)[0] + ".linear." + k.rsplit(".", 1)[1]) if k.startswith("blocks.") else k: v
+                 for k, v in state.items()}
     drafter.load_state_dict(state, strict=True)
     param = next(target.parameters())
     return module, cfg, drafter.to(param.device, param.dtype).eval()

@@ -8,11 +8,12 @@ import difflib
 from types import ModuleType
 
 from draftsmith import DraftsmithError
-from draftsmith.models import eagle, eagle3
+from draftsmith.models import eagle, eagle3, medusa
 
 DRAFTERS: dict[str, ModuleType] = {
     "eagle": eagle,
     "eagle3": eagle3,
+    "medusa": medusa,
 }
 
 # What every family module provides (checked by the registry test).

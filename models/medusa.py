@@ -1,0 +1,178 @@
+"""Medusa heads (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with
+Multiple Decoding Heads", arXiv:2401.10774), Medusa-1: the target stays frozen.
+
+K heads sit on the target's last (post-norm) hidden state h_t, the input of its lm_head. The
+target's own lm_head at t predicts token t+1; **head k (0-based) at t predicts token t+k+2**. Each
+head is `num_layers` ResBlocks h + SiLU(W h + b) with W zero-initialised (a fresh head is the
+identity on h) and then its own Linear(H -> V) initialised from the target's lm_head, so a fresh
+head k predicts token t+k+2 with the target's next-token distribution at t.
+
+All heads fire from the same hidden state in one pass: a chain takes each head's top-1, a static
+tree each head's top-k (eval/tree.py). Loss: sum_k decay^k * CE_k, against the target's own
+distribution at t+k+1 (soft labels: self-distilled data, whose tokens the target chose itself) or
+the hard token t+k+2 (fixed data). Tensor names follow vLLM's `MedusaModel` (models/export.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from draftsmith import DraftsmithError
+from draftsmith.eval.tree import Draft
+from draftsmith.train.losses import soft_cross_entropy
+
+NAME = "medusa"
+
+
+@dataclass
+class DrafterConfig:
+    num_heads: int = 4
+    """Head k (0-based) predicts the token k+2 places after the current one."""
+    num_layers: int = 1
+    """ResBlocks per head."""
+    decay: float = 0.8
+    """Loss weight of head k is decay ** k (Medusa paper: 0.8)."""
+    soft_labels: bool = True
+    """True: head k's label at t is the target's distribution at t+k+1 (use with self-distilled data);
+    False: the hard token t+k+2 of the data."""
+    fc_bias: bool = True
+    """Bias in the ResBlock linears (the Medusa paper's heads have one; vLLM needs `medusa_fc_bias: true`)."""
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int, bias: bool):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden, bias=bias)
+        nn.init.zeros_(self.linear.weight)  # identity at start: the head begins as the target's lm_head
+        if bias:
+            nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x):
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """blocks[h].layers[l] and lm_heads[h]: vLLM's MedusaModel names, without its `medusa_heads.` prefix."""
+
+    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int, bias: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Module() for _ in range(num_heads))
+        for block in self.blocks:
+            block.layers = nn.ModuleList(ResBlock(hidden, bias) for _ in range(num_layers))
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(num_heads))
+
+    def head_logits(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        for layer in self.blocks[k].layers:
+            h = layer(h)
+        return self.lm_heads[k](h)
+
+    def forward(self, h: torch.Tensor) -> list[torch.Tensor]:
+        """h: [..., H] -> one [..., V] logits tensor per head."""
+        return [self.head_logits(h, k) for k in range(len(self.blocks))]
+
+
+def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
+    return ("last_hidden",)  # the post-norm hidden state the target's lm_head reads
+
+
+def build(cfg: DrafterConfig, target, dataset=None) -> MedusaHeads:
+    if cfg.num_heads < 1 or cfg.num_layers < 1:
+        raise DraftsmithError(f"drafter: num_heads and num_layers must be >= 1, got {cfg.num_heads} and {cfg.num_layers}")
+    tc = target.config
+    heads = MedusaHeads(tc.hidden_size, tc.vocab_size, cfg.num_heads, cfg.num_layers, cfg.fc_bias)
+    with torch.no_grad():  # every head starts as the target's own lm_head (Medusa's initialisation)
+        for lm in heads.lm_heads:
+            lm.weight.copy_(target.get_output_embeddings().weight.float())
+    return heads
+
+
+def rebuild(meta: dict, target) -> MedusaHeads:
+    cfg = DrafterConfig(**{k: v for k, v in meta["drafter_config"].items() if k != "type"})
+    return build(cfg, target)
+
+
+def compute_loss(heads, target, batch: dict, feats: dict, cfg: DrafterConfig):
+    """Returns (loss_sum, n_tokens, metric_sums); n_tokens counts head-0 positions.
+
+    batch: input_ids, loss_mask [B, T]; feats["last_hidden"]: [B, T, H].
+    """
+    ids, lmask = batch["input_ids"], batch["loss_mask"].bool()
+    last = feats["last_hidden"]
+    core = getattr(heads, "module", heads)  # DDP wraps the module
+    h = last.to(core.lm_heads[0].weight.dtype)
+    total, metrics, n_tok = 0.0, {}, None
+    for k in range(cfg.num_heads):
+        # Head k at position t predicts token t+k+2: inputs are positions 0..T-k-3, labels the
+        # tokens 2+k.. (counted only where that token is trained, per the loss mask).
+        shift = k + 2
+        if ids.shape[1] <= shift:
+            break
+        mask = lmask[:, shift:]
+        b_idx, t_idx = mask.nonzero(as_tuple=True)
+        logits = core.head_logits(h[b_idx, t_idx], k)
+        if cfg.soft_labels:
+            # The target's own distribution for token t+k+2 is its lm_head at position t+k+1.
+            with torch.no_grad():
+                teacher = target.get_output_embeddings()(last[b_idx, t_idx + shift - 1].to(target.dtype)).float()
+            loss = soft_cross_entropy(logits, teacher, torch.ones_like(t_idx, dtype=torch.float))
+            wanted = teacher.argmax(-1)
+        else:
+            wanted = ids[b_idx, t_idx + shift]
+            loss = nn.functional.cross_entropy(logits.float(), wanted, reduction="sum")
+        total = total + cfg.decay ** k * loss
+        metrics["acc" if k == 0 else f"acc{k}"] = (logits.argmax(-1) == wanted).float().sum().detach()
+        if n_tok is None:
+            n_tok = torch.tensor(len(t_idx), device=ids.device)
+    if n_tok is None:
+        return last.sum() * 0.0, torch.tensor(0, device=ids.device), {}
+    return total, n_tok, metrics
+
+
+class MedusaProposer:
+    """Medusa drafting: every head reads the hidden state of the last token the target processed.
+
+    The engine passes the target features of x_0..x_{n-2}; the target's lm_head at x_{n-2} already
+    chose x_{n-1} (the newest token), so head k at x_{n-2} predicts x_{n+k}: draft position k+1.
+    """
+
+    feature_names = ("last_hidden",)
+
+    def __init__(self, heads: MedusaHeads):
+        self.heads = heads.eval()
+
+    def reset(self):
+        pass  # stateless: one pass over one hidden state per round
+
+    def _head_logits(self, feats: dict) -> list[torch.Tensor]:
+        h = feats["last_hidden"][0, -1].to(self.heads.lm_heads[0].weight.dtype)
+        return self.heads(h)
+
+    @torch.no_grad()
+    def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> Draft:
+        """A chain of min(k, num_heads) drafts, each head's top-1 (proposals are deterministic, so
+        sampled verification treats them as q = one-hot)."""
+        logits = self._head_logits(feats)[:k]
+        return Draft.chain([int(lg.argmax()) for lg in logits])
+
+    @torch.no_grad()
+    def propose_tree(self, tokens: torch.Tensor, feats: dict, spec) -> Draft:
+        """A static tree: path (r_0, .., r_d) is the rank-r_d candidate of head d under its prefix."""
+        if spec.kind != "static":
+            raise DraftsmithError("--tree: Medusa heads build static trees (static:PATHS); dynamic trees need a "
+                                  "drafter that conditions on its own drafts")
+        logits = self._head_logits(feats)
+        if spec.depth > len(logits):
+            raise DraftsmithError(f"--tree: the tree is {spec.depth} deep but the drafter has {len(logits)} heads")
+        ranked = [lg.topk(spec.top_k).indices.tolist() for lg in logits[: spec.depth]]
+        draft, index = Draft(), {}
+        for path in spec.paths:  # sorted by depth, so a parent always precedes its children
+            index[path] = draft.add(ranked[len(path) - 1][path[-1]], index.get(path[:-1], -1))
+        return draft
+
+
+def make_proposer(heads, target, cfg: DrafterConfig) -> MedusaProposer:
+    return MedusaProposer(heads)

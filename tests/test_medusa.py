@@ -1,0 +1,144 @@
+"""Medusa-1 heads: the t+k+2 label offset, identity initialisation, a frozen target, drafting
+(chain and static tree), and the vLLM MedusaModel export contract."""
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.eval.speculative import Stats, speculative_decode, target_decode
+from draftsmith.eval.tree import parse_tree
+from draftsmith.models import medusa
+from draftsmith.models.common import save_drafter
+from draftsmith.models.target import fingerprint
+
+
+class PositionOracle(torch.nn.Module):
+    """Stands in for the heads in compute_loss: reads the position t out of the hidden state and
+    puts all mass on ids[t + k + shift]. The loss is ~0 and accuracy 1 only with shift = 2."""
+
+    def __init__(self, ids, vocab, shift):
+        super().__init__()
+        self.ids, self.vocab, self.shift = ids, vocab, shift
+        self.lm_heads = torch.nn.ModuleList([torch.nn.Linear(1, 1)])
+
+    def head_logits(self, h, k):
+        t = h[:, 0].round().long()
+        label = self.ids[0, (t + k + self.shift).clamp(max=self.ids.shape[1] - 1)]
+        return torch.nn.functional.one_hot(label, self.vocab).float() * 50.0
+
+
+def test_head_k_at_t_is_trained_on_token_t_plus_k_plus_2():
+    ids = torch.tensor([[7, 3, 9, 4, 8, 2, 6, 5]])
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+    feats = {"last_hidden": torch.arange(8.0)[None, :, None].expand(1, 8, 4)}  # hidden state at t encodes t
+    cfg = medusa.DrafterConfig(num_heads=3, soft_labels=False)
+    right, n, metrics = medusa.compute_loss(PositionOracle(ids, 10, shift=2), None, batch, feats, cfg)
+    assert right < 1e-3 and n == 6  # head 0 has T - 2 positions
+    assert metrics["acc"] == 6 and metrics["acc1"] == 5 and metrics["acc2"] == 4
+    wrong, _, _ = medusa.compute_loss(PositionOracle(ids, 10, shift=1), None, batch, feats, cfg)
+    assert wrong > 100  # one position off (what the target's own lm_head predicts) is heavily penalised
+
+
+def test_fresh_heads_are_the_targets_lm_head_shifted(tiny_target):
+    target, _ = tiny_target
+    heads = medusa.build(medusa.DrafterConfig(num_heads=3, num_layers=2), target)
+    h = torch.randn(5, target.config.hidden_size)
+    for k in range(3):  # zero-initialised ResBlocks are the identity: head k starts as lm_head
+        torch.testing.assert_close(heads.head_logits(h, k), target.get_output_embeddings()(h))
+
+
+def test_medusa1_trains_heads_only(tiny_target):
+    target, _ = tiny_target
+    cfg = medusa.DrafterConfig(num_heads=2)
+    heads = medusa.build(cfg, target)
+    ids = torch.randint(5, 60, (2, 12))
+    from draftsmith.data.features import target_features
+
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    loss, n, _ = medusa.compute_loss(heads, target, batch, target_features(target, batch, ("last_hidden",)), cfg)
+    (loss / n).backward()
+    assert all(p.grad is None for p in target.parameters())
+    assert all(p.grad is not None for p in heads.parameters())
+
+
+class Oracle(medusa.MedusaProposer):
+    """Heads that know the target's greedy continuation, with a decoy ranked above the truth."""
+
+    def __init__(self, heads, ref, prompt_len, vocab):
+        super().__init__(heads)
+        self.ref, self.prompt_len, self.vocab = ref, prompt_len, vocab
+
+    def _head_logits(self, feats):
+        generated = feats["last_hidden"].shape[1] + 1 - self.prompt_len  # features cover all but the newest token
+        out = []
+        for k in range(len(self.heads.blocks)):
+            i = generated + k  # head k predicts the token k+1 places after the newest: generated index i
+            true = self.ref[min(i, len(self.ref) - 1)]
+            logits = torch.zeros(self.vocab)
+            logits[(true + 1) % self.vocab], logits[true] = 2.0, 1.0  # rank 0 decoy, rank 1 truth
+            out.append(logits)
+        return out
+
+
+def test_a_perfect_static_tree_gets_tau_depth_plus_one_and_is_lossless(tiny_target):
+    target, tok = tiny_target
+    heads = medusa.build(medusa.DrafterConfig(num_heads=3), target)
+    prompt = tok("say 3")["input_ids"]
+    ref = target_decode(target, prompt, 30, set())
+    spec = parse_tree("static:[[0],[1],[1,0],[1,1],[1,1,0],[1,1,1]]")
+    stats = Stats(k=3)
+    # 1 token from the prefill, then 7 rounds of 3 accepted drafts + 1 bonus token.
+    out = speculative_decode(target, Oracle(heads, ref, len(prompt), target.config.vocab_size), prompt, 3, 29,
+                             set(), None, stats, spec)
+    assert out == ref[:29]
+    assert stats.per_position == [1.0, 1.0, 1.0] and stats.tau == 4.0  # 3 heads + the bonus token
+
+
+def test_chain_drafts_are_lossless_with_real_heads(tiny_target):
+    target, tok = tiny_target
+    heads = medusa.build(medusa.DrafterConfig(num_heads=3), target)
+    prompt = tok("say 5")["input_ids"]
+    out = speculative_decode(target, medusa.MedusaProposer(heads), prompt, 3, 20, set())
+    assert out == target_decode(target, prompt, 20, set())
+
+
+def test_vllm_export_contract_and_round_trip(tiny_target, tmp_path):
+    from draftsmith.models.export import export, import_export
+
+    target, _ = tiny_target
+    cfg = medusa.DrafterConfig(num_heads=3, num_layers=2)
+    heads = medusa.build(cfg, target)
+    for p in heads.parameters():  # not the identity: a round trip must carry real weights
+        torch.nn.init.normal_(p, std=0.02)
+    meta = {"drafter": "medusa", "drafter_config": {"type": "medusa", **cfg.__dict__}, "target": "tiny",
+            "target_fingerprint": fingerprint(target)}
+    path = save_drafter(heads, tmp_path / "final", meta)
+    out = export(path, target, "vllm", tmp_path / "vllm")
+    c, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    H, V = target.config.hidden_size, target.config.vocab_size
+    assert c["architectures"] == ["MedusaModel"] and c["model_type"] == "medusa"
+    assert (c["hidden_size"], c["vocab_size"], c["num_heads"], c["num_hidden_layers"]) == (H, V, 3, 2)
+    assert c["medusa_fc_bias"] is True
+    assert sorted(state) == sorted([f"blocks.{h}.layers.{l}.{w}" for h in range(3) for l in range(2) for w in ("weight", "bias")]
+                                   + [f"lm_heads.{h}.weight" for h in range(3)])
+    assert state["blocks.0.layers.0.weight"].shape == (H, H) and state["lm_heads.2.weight"].shape == (V, H)
+    _, _, back = import_export(out, target)
+    h = torch.randn(4, H)
+    for k in range(3):
+        torch.testing.assert_close(back.head_logits(h, k), heads.head_logits(h, k))
+
+
+def test_medusa_trains_in_the_shared_loop_and_evaluates_on_a_static_tree(tiny_target_dir, chat_jsonl, tmp_path):
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+    from tests.test_train import _overrides
+
+    cfg = load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{
+        "drafter.type": "medusa", "drafter.num_heads": 2, "drafter.soft_labels": False, "optim.max_steps": 8,
+        "eval.enabled": True, "eval.num_prompts": 2, "eval.max_new_tokens": 10, "eval.tree": "static:[[0],[1],[0,0]]"}))
+    run = train(cfg)
+    log = [json.loads(l) for l in (run / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < log[0]["loss"]
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["drafter"] == "medusa" and report["lossless"] and report["k"] == 2
