@@ -48,6 +48,21 @@ def ttt_mask(t: int, step: int, padding: torch.Tensor) -> torch.Tensor:
     return torch.cat(blocks, dim=-1)
 
 
+def draft_vocab(dataset, vocab: int, size: int) -> torch.Tensor:
+    """The `size` most frequent target tokens among loss-masked (trained) tokens, sorted by id: the
+    reduced draft vocabulary of EAGLE-3 heads and Medusa heads (FR-Spec, Zhao et al. 2025).
+    Ties and unseen tokens are filled by id order, so the choice is deterministic."""
+    if size > vocab:
+        raise DraftsmithError(f"drafter.draft_vocab_size: {size} is larger than the target vocabulary ({vocab})")
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]):
+        ids = torch.tensor(ids)[torch.tensor(mask, dtype=torch.bool)]
+        counts += torch.bincount(ids, minlength=vocab)[:vocab]
+    # Stable sort on -count keeps id order among ties.
+    order = torch.sort(-counts, stable=True).indices[:size]
+    return order.sort().values
+
+
 def save_drafter(module: torch.nn.Module, out: Path, meta: dict) -> Path:
     """Write `config.json` + `model.safetensors` to a temp folder, then rename into place."""
     out = Path(out)

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import FeatureProposer, ttt_mask
+from draftsmith.models.common import FeatureProposer, draft_vocab, ttt_mask
 from draftsmith.models.eagle import layer_config
 from draftsmith.train.losses import soft_cross_entropy, topk_distillation_loss
 
@@ -116,20 +116,6 @@ class Eagle3Drafter(nn.Module):
         small = self.draft_logits(out)
         full = small.new_full((*small.shape[:-1], self.t2d.shape[0]), float("-inf"))
         return full.index_copy_(-1, self.to_target_ids(torch.arange(small.shape[-1], device=small.device)), small)
-
-
-def draft_vocab(dataset, vocab: int, size: int) -> torch.Tensor:
-    """The `size` most frequent target tokens among loss-masked (trained) tokens, sorted by id.
-    Ties and unseen tokens are filled by id order, so the choice is deterministic."""
-    if size > vocab:
-        raise DraftsmithError(f"drafter.draft_vocab_size: {size} is larger than the target vocabulary ({vocab})")
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]):
-        ids = torch.tensor(ids)[torch.tensor(mask, dtype=torch.bool)]
-        counts += torch.bincount(ids, minlength=vocab)[:vocab]
-    # Stable sort on -count keeps id order among ties.
-    order = torch.sort(-counts, stable=True).indices[:size]
-    return order.sort().values
 
 
 def build(cfg: DrafterConfig, target, dataset=None) -> Eagle3Drafter:

@@ -81,11 +81,13 @@ def _medusa_vllm(heads, meta: dict) -> tuple[dict, dict]:
     """vLLM `MedusaModel`: blocks.{h}.layers.{l}.weight (+ .bias only with medusa_fc_bias: vLLM builds
     the ResBlock linears without bias otherwise) and lm_heads.{h}.weight."""
     state = {k.replace(".linear.", "."): v for k, v in heads.state_dict().items()}
-    lm = heads.lm_heads[0]
+    lm, vocab = heads.lm_heads[0], meta["target_vocab_size"]
+    # A reduced head vocabulary: vLLM scatters the heads' logits through `token_map` (-inf elsewhere).
+    truncated = lm.out_features if lm.out_features < vocab else None
     config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": lm.in_features,
-              "vocab_size": lm.out_features, "num_heads": len(heads.blocks),
-              "num_hidden_layers": len(heads.blocks[0].layers), "medusa_fc_bias": heads.blocks[0].layers[0].linear.bias is not None,
-              "truncated_vocab_size": None, "original_lm_head": False}
+              "vocab_size": vocab, "num_heads": len(heads.blocks), "num_hidden_layers": len(heads.blocks[0].layers),
+              "medusa_fc_bias": heads.blocks[0].layers[0].linear.bias is not None,
+              "truncated_vocab_size": truncated, "original_lm_head": False}
     return config, state
 
 
@@ -100,7 +102,7 @@ def export(drafter_dir: str | Path, target, fmt: str, out: str | Path) -> Path:
     if module.NAME == "eagle":
         config, state = _eagle1(drafter, meta)
     elif module.NAME == "medusa":
-        config, state = _medusa_vllm(drafter, meta)
+        config, state = _medusa_vllm(drafter, {**meta, "target_vocab_size": target.config.vocab_size})
     else:
         meta = {**meta, "aux_layers": list(module.aux_layers(cfg, target.config))}
         config, state = (_eagle3_speculators(drafter, meta, target) if fmt == "speculators"

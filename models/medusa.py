@@ -22,6 +22,7 @@ from torch import nn
 
 from draftsmith import DraftsmithError
 from draftsmith.eval.tree import Draft
+from draftsmith.models.common import draft_vocab
 from draftsmith.train.losses import soft_cross_entropy
 
 NAME = "medusa"
@@ -40,6 +41,10 @@ class DrafterConfig:
     False: the hard token t+k+2 of the data."""
     fc_bias: bool = True
     """Bias in the ResBlock linears (the Medusa paper's heads have one; vLLM needs `medusa_fc_bias: true`)."""
+    draft_vocab_size: int = 0
+    """0 = heads over the full target vocabulary; N = over the N most frequent trained tokens (the draft
+    vocabulary EAGLE-3 uses; vLLM loads it as `truncated_vocab_size` + `token_map`). On CPU a full
+    49152-token head costs about a fifth of a target forward per token."""
 
 
 class ResBlock(nn.Module):
@@ -57,8 +62,11 @@ class ResBlock(nn.Module):
 class MedusaHeads(nn.Module):
     """blocks[h].layers[l] and lm_heads[h]: vLLM's MedusaModel names, without its `medusa_heads.` prefix."""
 
-    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int, bias: bool):
+    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int, bias: bool, draft_vocab: int = 0):
         super().__init__()
+        if draft_vocab:  # token_map[i] = the target id of draft id i (vLLM's name)
+            self.register_buffer("token_map", torch.arange(draft_vocab))
+            vocab = draft_vocab
         self.blocks = nn.ModuleList(
             nn.Module() for _ in range(num_heads))
         for block in self.blocks:
@@ -71,8 +79,20 @@ class MedusaHeads(nn.Module):
         return self.lm_heads[k](h)
 
     def forward(self, h: torch.Tensor) -> list[torch.Tensor]:
-        """h: [..., H] -> one [..., V] logits tensor per head."""
+        """h: [..., H] -> one [..., V] logits tensor per head (V = the draft vocabulary when reduced)."""
         return [self.head_logits(h, k) for k in range(len(self.blocks))]
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Head output ids -> target vocabulary ids."""
+        return self.token_map[ids] if hasattr(self, "token_map") else ids
+
+    def to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids -> head output ids, -1 for tokens outside the draft vocabulary."""
+        if not hasattr(self, "token_map"):
+            return target_ids
+        lookup = torch.full((int(self.token_map.max()) + 2,), -1, dtype=torch.long, device=target_ids.device)
+        lookup[self.token_map] = torch.arange(len(self.token_map), device=target_ids.device)
+        return lookup[target_ids.clamp(max=len(lookup) - 1)]
 
 
 def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
@@ -83,10 +103,14 @@ def build(cfg: DrafterConfig, target, dataset=None) -> MedusaHeads:
     if cfg.num_heads < 1 or cfg.num_layers < 1:
         raise DraftsmithError(f"drafter: num_heads and num_layers must be >= 1, got {cfg.num_heads} and {cfg.num_layers}")
     tc = target.config
-    heads = MedusaHeads(tc.hidden_size, tc.vocab_size, cfg.num_heads, cfg.num_layers, cfg.fc_bias)
-    with torch.no_grad():  # every head starts as the target's own lm_head (Medusa's initialisation)
+    heads = MedusaHeads(tc.hidden_size, tc.vocab_size, cfg.num_heads, cfg.num_layers, cfg.fc_bias, cfg.draft_vocab_size)
+    rows = torch.arange(tc.vocab_size)
+    if cfg.draft_vocab_size and dataset is not None:
+        rows = draft_vocab(dataset, tc.vocab_size, cfg.draft_vocab_size)
+        heads.token_map.copy_(rows)
+    with torch.no_grad():  # every head starts as the target's own lm_head (rows of the draft vocabulary)
         for lm in heads.lm_heads:
-            lm.weight.copy_(target.get_output_embeddings().weight.float())
+            lm.weight.copy_(target.get_output_embeddings().weight[rows[: lm.out_features]].float())
     return heads
 
 
@@ -111,22 +135,27 @@ def compute_loss(heads, target, batch: dict, feats: dict, cfg: DrafterConfig):
         shift = k + 2
         if ids.shape[1] <= shift:
             break
-        mask = lmask[:, shift:]
-        b_idx, t_idx = mask.nonzero(as_tuple=True)
-        logits = core.head_logits(h[b_idx, t_idx], k)
+        b_idx, t_idx = lmask[:, shift:].nonzero(as_tuple=True)
         if cfg.soft_labels:
             # The target's own distribution for token t+k+2 is its lm_head at position t+k+1.
             with torch.no_grad():
-                teacher = target.get_output_embeddings()(last[b_idx, t_idx + shift - 1].to(target.dtype)).float()
-            loss = soft_cross_entropy(logits, teacher, torch.ones_like(t_idx, dtype=torch.float))
-            wanted = teacher.argmax(-1)
+                full = target.get_output_embeddings()(last[b_idx, t_idx + shift - 1].to(target.dtype)).float()
+            wanted_target = full.argmax(-1)
         else:
-            wanted = ids[b_idx, t_idx + shift]
-            loss = nn.functional.cross_entropy(logits.float(), wanted, reduction="sum")
+            wanted_target = ids[b_idx, t_idx + shift]
+        # With a draft vocabulary, only positions whose wanted token is in it can be learned (as EAGLE-3).
+        wanted = core.to_draft(wanted_target)
+        keep = wanted >= 0
+        logits = core.head_logits(h[b_idx, t_idx], k)
+        if cfg.soft_labels:
+            teacher = full[:, core.token_map] if hasattr(core, "token_map") else full
+            loss = soft_cross_entropy(logits, teacher, keep.float())
+        else:
+            loss = nn.functional.cross_entropy(logits.float()[keep], wanted[keep], reduction="sum")
         total = total + cfg.decay ** k * loss
-        metrics["acc" if k == 0 else f"acc{k}"] = (logits.argmax(-1) == wanted).float().sum().detach()
+        metrics["acc" if k == 0 else f"acc{k}"] = ((logits.argmax(-1) == wanted) & keep).float().sum().detach()
         if n_tok is None:
-            n_tok = torch.tensor(len(t_idx), device=ids.device)
+            n_tok = keep.sum()
     if n_tok is None:
         return last.sum() * 0.0, torch.tensor(0, device=ids.device), {}
     return total, n_tok, metrics
@@ -156,7 +185,7 @@ class MedusaProposer:
         """A chain of min(k, num_heads) drafts, each head's top-1 (proposals are deterministic, so
         sampled verification treats them as q = one-hot)."""
         logits = self._head_logits(feats)[:k]
-        return Draft.chain([int(lg.argmax()) for lg in logits])
+        return Draft.chain([int(self.heads.to_target(lg.argmax())) for lg in logits])
 
     @torch.no_grad()
     def propose_tree(self, tokens: torch.Tensor, feats: dict, spec) -> Draft:
@@ -167,7 +196,7 @@ class MedusaProposer:
         logits = self._head_logits(feats)
         if spec.depth > len(logits):
             raise DraftsmithError(f"--tree: the tree is {spec.depth} deep but the drafter has {len(logits)} heads")
-        ranked = [lg.topk(spec.top_k).indices.tolist() for lg in logits[: spec.depth]]
+        ranked = [self.heads.to_target(lg.topk(spec.top_k).indices).tolist() for lg in logits[: spec.depth]]
         draft, index = Draft(), {}
         for path in spec.paths:  # sorted by depth, so a parent always precedes its children
             index[path] = draft.add(ranked[len(path) - 1][path[-1]], index.get(path[:-1], -1))

@@ -7,7 +7,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data.features import target_features
 from draftsmith.eval.speculative import Stats, speculative_greedy, target_greedy
 from draftsmith.models import eagle3
-from draftsmith.models.common import causal_mask
+from draftsmith.models.common import causal_mask, draft_vocab
 
 
 def _cfg(**kw):
@@ -21,14 +21,14 @@ def _dataset():
 
 def test_draft_vocab_is_most_frequent_trained_tokens_with_consistent_maps(tiny_target):
     target, _ = tiny_target
-    ids = eagle3.draft_vocab(_dataset(), 105, 4)
+    ids = draft_vocab(_dataset(), 105, 4)
     assert ids.tolist() == [7, 8, 50, 51]
     d = eagle3.build(eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=4), target, _dataset())
     assert (d.to_target_ids(torch.arange(4)) == ids).all()          # d2t: draft id -> target id
     assert d.t2d.nonzero().flatten().tolist() == ids.tolist()        # t2d marks the same ids
     assert torch.equal(d.lm_head.weight, target.get_output_embeddings().weight[ids])  # warm start
     with pytest.raises(DraftsmithError, match="larger than the target vocabulary"):
-        eagle3.draft_vocab(_dataset(), 105, 500)
+        draft_vocab(_dataset(), 105, 500)
     with pytest.raises(DraftsmithError, match="aux_layers"):
         eagle3.build(eagle3.DrafterConfig(aux_layers=[0, 1, 5]), target)
 

@@ -22,6 +22,9 @@ class PositionOracle(torch.nn.Module):
         self.ids, self.vocab, self.shift = ids, vocab, shift
         self.lm_heads = torch.nn.ModuleList([torch.nn.Linear(1, 1)])
 
+    def to_draft(self, ids):  # full vocabulary
+        return ids
+
     def head_logits(self, h, k):
         t = h[:, 0].round().long()
         label = self.ids[0, (t + k + self.shift).clamp(max=self.ids.shape[1] - 1)]
@@ -142,3 +145,31 @@ def test_medusa_trains_in_the_shared_loop_and_evaluates_on_a_static_tree(tiny_ta
     assert log[-1]["loss"] < log[0]["loss"]
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["drafter"] == "medusa" and report["lossless"] and report["k"] == 2
+
+
+def test_reduced_head_vocabulary_maps_back_to_target_ids_and_exports_a_token_map(tiny_target, tmp_path):
+    from draftsmith.models.export import export, import_export
+
+    target, tok = tiny_target
+    rows = [{"input_ids": tok("abcabc hello")["input_ids"], "loss_mask": [1] * 12}]
+    ds = {"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows]}
+    cfg = medusa.DrafterConfig(num_heads=2, draft_vocab_size=20)
+    heads = medusa.build(cfg, target, ds)
+    kept = set(heads.token_map.tolist())
+    assert set(rows[0]["input_ids"]) <= kept and len(kept) == 20
+    h = torch.randn(3, target.config.hidden_size)
+    full = target.get_output_embeddings()(h)
+    # A fresh reduced head is the target's lm_head restricted to the draft vocabulary.
+    torch.testing.assert_close(heads.head_logits(h, 1), full[:, heads.token_map])
+    draft = medusa.MedusaProposer(heads).propose(None, {"last_hidden": h[None]}, 2)
+    assert set(draft.tokens) <= kept
+    missing = next(i for i in range(target.config.vocab_size) if i not in kept)
+    assert heads.to_draft(torch.tensor([int(heads.token_map[5]), missing])).tolist() == [5, -1]
+    meta = {"drafter": "medusa", "drafter_config": {"type": "medusa", **cfg.__dict__}, "target": "tiny",
+            "target_fingerprint": fingerprint(target)}
+    out = export(save_drafter(heads, tmp_path / "final", meta), target, "vllm", tmp_path / "vllm")
+    c, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    assert c["truncated_vocab_size"] == 20 and c["vocab_size"] == target.config.vocab_size
+    assert torch.equal(state["token_map"], heads.token_map) and state["lm_heads.0.weight"].shape[0] == 20
+    _, _, back = import_export(out, target)
+    assert torch.equal(back.token_map, heads.token_map)
