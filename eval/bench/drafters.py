@@ -1,7 +1,8 @@
-"""EAGLE-1 vs EAGLE-3, chain vs tree, greedy and sampled: the issue-3 benchmark, side by side.
+"""Any drafters, whatever their family, chain vs tree, greedy and sampled, side by side in one table.
 
-    python -m draftsmith.eval.bench.eagle3 --drafter eagle=checkpoints/eagle-smollm2/final \\
-        --drafter eagle3=checkpoints/eagle3-smollm2/final --tree dynamic:depth=6,top_k=4,tokens=16
+    python -m draftsmith.eval.bench.drafters --drafter eagle=checkpoints/eagle-smollm2/final \\
+        --drafter eagle3=checkpoints/eagle3-smollm2/final --drafter medusa=checkpoints/medusa1-smollm2/final \\
+        --tree dynamic:depth=3,top_k=3,tokens=8 --tree medusa=static:recipes/trees/medusa-4heads.json
 
 One process, one target, the same holdout prompts for every row. For each drafter: τ with a chain
 of K drafts and with the draft tree, greedy (token-exact lossless check against target-only
@@ -61,14 +62,30 @@ def matmul_weights(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
 
 
 def draft_flops_fraction(drafter, target) -> float:
-    """Weights multiplied per draft step / per target token. EAGLE-1 applies fc every step and the
+    """Weights multiplied per draft token / per target token. EAGLE-1 applies fc every step and the
     target's full lm_head; EAGLE-3 applies fc only to verified features (once per accepted token,
-    not per draft step) and its own reduced lm_head."""
-    if hasattr(drafter, "lm_head"):  # EAGLE-3
+    not per draft step) and its own reduced lm_head; Medusa runs each head once per round, one head
+    per draft position."""
+    if hasattr(drafter, "lm_heads"):  # Medusa
+        per_step = matmul_weights(drafter) / len(drafter.lm_heads)
+    elif hasattr(drafter, "lm_head"):  # EAGLE-3
         per_step = matmul_weights(drafter, skip=("fc",))
     else:
         per_step = matmul_weights(drafter) + target.get_output_embeddings().weight.numel()
     return per_step / matmul_weights(target)
+
+
+def draft_vocab_size(drafter, target) -> int:
+    head = getattr(drafter, "lm_head", None) or getattr(drafter, "lm_heads", [None])[0]
+    return head.out_features if head is not None else target.config.vocab_size
+
+
+def tree_for(label: str, family: str, given: list[str]) -> str:
+    """The tree a drafter is benchmarked with: LABEL=SPEC, else a plain SPEC, else its family's default."""
+    own = [g.split("=", 1)[1] for g in given if g.split("=", 1)[0] == label and not g.startswith(("static:", "dynamic"))]
+    plain = [g for g in given if g.startswith(("static:", "dynamic"))]
+    default = "static:recipes/trees/medusa-4heads.json" if family == "medusa" else "dynamic:depth=3,top_k=3,tokens=8"
+    return (own or plain or [default])[0]
 
 
 def main(argv=None) -> None:
@@ -77,7 +94,10 @@ def main(argv=None) -> None:
                    help="a trained drafter, repeatable (default: the eagle and eagle3 CPU recipes' outputs)")
     p.add_argument("--data", default="builtin:code-holdout")
     p.add_argument("--k", type=int, default=5)
-    p.add_argument("--tree", default="dynamic:depth=6,top_k=4,tokens=16")
+    p.add_argument("--tree", action="append", default=[], metavar="[LABEL=]SPEC",
+                   help="draft tree for every drafter, or LABEL=SPEC for one (Medusa needs a static tree); "
+                        "default dynamic:depth=3,top_k=3,tokens=8, and for Medusa heads "
+                        "static:recipes/trees/medusa-4heads.json")
     p.add_argument("--temperature", type=float, default=0.7, help="sampled rows; 0 skips them")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -97,9 +117,10 @@ def main(argv=None) -> None:
     for name, meta in metas.items():
         module, dcfg, drafter = load_drafter(drafters[name], target)
         timed = TimedProposer(module.make_proposer(drafter, target, dcfg))
-        runs = [dict(k=args.k), dict(tree=args.tree)]
+        tree = tree_for(name, module.NAME, args.tree)
+        runs = [dict(k=args.k), dict(tree=tree)]
         if args.temperature > 0:
-            runs += [dict(k=args.k, temperature=args.temperature), dict(tree=args.tree, temperature=args.temperature)]
+            runs += [dict(k=args.k, temperature=args.temperature), dict(tree=tree, temperature=args.temperature)]
         greedy_chain_seconds = None
         for run in runs:
             before = (timed.seconds, timed.rounds, timed.steps)
@@ -110,7 +131,7 @@ def main(argv=None) -> None:
                 greedy_chain_seconds = (timed.seconds - before[0]) / max(timed.steps - before[2], 1)
         costs[name] = {
             "params": sum(p.numel() for p in drafter.parameters()),
-            "draft_vocab": drafter.lm_head.out_features if hasattr(drafter, "lm_head") else target.config.vocab_size,
+            "draft_vocab": draft_vocab_size(drafter, target),
             "draft_ms_per_chain_step": round(1e3 * greedy_chain_seconds, 2),
             "draft_flops_fraction": round(draft_flops_fraction(drafter, target), 4),
             "train_seconds": meta.get("train_seconds"), "train_steps": meta.get("steps"),
