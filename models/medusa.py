@@ -78,9 +78,10 @@ class MedusaHeads(nn.Module):
             h = layer(h)
         return self.lm_heads[k](h)
 
-    def forward(self, h: torch.Tensor) -> list[torch.Tensor]:
-        """h: [..., H] -> one [..., V] logits tensor per head (V = the draft vocabulary when reduced)."""
-        return [self.head_logits(h, k) for k in range(len(self.blocks))]
+    def forward(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """hs[k]: head k's input hidden states [..., H] -> head k's logits [..., V] (V = the draft
+        vocabulary when reduced). One call for all heads, so DDP sees one forward per backward."""
+        return [self.head_logits(h, k) for k, h in enumerate(hs)]
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Head output ids -> target vocabulary ids."""
@@ -128,37 +129,45 @@ def compute_loss(heads, target, batch: dict, feats: dict, cfg: DrafterConfig):
     last = feats["last_hidden"]
     core = getattr(heads, "module", heads)  # DDP wraps the module
     h = last.to(core.lm_heads[0].weight.dtype)
-    total, metrics, n_tok = 0.0, {}, None
-    for k in range(cfg.num_heads):
+    if cfg.soft_labels:
+        with torch.no_grad():
+            # The target's distribution at every position p whose next token is trained, computed
+            # once for all heads (head k reads position t+k+1 for its label of token t+k+2).
+            nb, np_ = lmask[:, 1:].nonzero(as_tuple=True)
+            row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
+            row_of[nb, np_] = torch.arange(len(nb), device=ids.device)
+            all_teacher = target.get_output_embeddings()(last[nb, np_].to(target.dtype)).float()
+    selections, labels = [], []
+    for k in range(min(cfg.num_heads, ids.shape[1] - 2)):
         # Head k at position t predicts token t+k+2: inputs are positions 0..T-k-3, labels the
         # tokens 2+k.. (counted only where that token is trained, per the loss mask).
         shift = k + 2
-        if ids.shape[1] <= shift:
-            break
         b_idx, t_idx = lmask[:, shift:].nonzero(as_tuple=True)
         if cfg.soft_labels:
             # The target's own distribution for token t+k+2 is its lm_head at position t+k+1.
-            with torch.no_grad():
-                full = target.get_output_embeddings()(last[b_idx, t_idx + shift - 1].to(target.dtype)).float()
+            full = all_teacher[row_of[b_idx, t_idx + shift - 1]]
             wanted_target = full.argmax(-1)
         else:
             wanted_target = ids[b_idx, t_idx + shift]
         # With a draft vocabulary, only positions whose wanted token is in it can be learned (as EAGLE-3).
         wanted = core.to_draft(wanted_target)
-        keep = wanted >= 0
-        logits = core.head_logits(h[b_idx, t_idx], k)
+        teacher = None
         if cfg.soft_labels:
             teacher = full[:, core.token_map] if hasattr(core, "token_map") else full
+        selections.append(h[b_idx, t_idx])
+        labels.append((wanted, teacher))
+    if not selections:
+        return last.sum() * 0.0, torch.tensor(0, device=ids.device), {}
+    total, metrics = 0.0, {}
+    for k, (logits, (wanted, teacher)) in enumerate(zip(heads(selections), labels)):
+        keep = wanted >= 0
+        if teacher is not None:
             loss = soft_cross_entropy(logits, teacher, keep.float())
         else:
             loss = nn.functional.cross_entropy(logits.float()[keep], wanted[keep], reduction="sum")
         total = total + cfg.decay ** k * loss
         metrics["acc" if k == 0 else f"acc{k}"] = ((logits.argmax(-1) == wanted) & keep).float().sum().detach()
-        if n_tok is None:
-            n_tok = keep.sum()
-    if n_tok is None:
-        return last.sum() * 0.0, torch.tensor(0, device=ids.device), {}
-    return total, n_tok, metrics
+    return total, (labels[0][0] >= 0).sum(), metrics
 
 
 class MedusaProposer:
@@ -178,7 +187,7 @@ class MedusaProposer:
 
     def _head_logits(self, feats: dict) -> list[torch.Tensor]:
         h = feats["last_hidden"][0, -1].to(self.heads.lm_heads[0].weight.dtype)
-        return self.heads(h)
+        return self.heads([h] * len(self.heads.blocks))
 
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> Draft:

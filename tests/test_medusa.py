@@ -3,6 +3,7 @@
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -25,21 +26,38 @@ class PositionOracle(torch.nn.Module):
     def to_draft(self, ids):  # full vocabulary
         return ids
 
+    def forward(self, hs):
+        return [self.head_logits(h, k) for k, h in enumerate(hs)]
+
     def head_logits(self, h, k):
         t = h[:, 0].round().long()
         label = self.ids[0, (t + k + self.shift).clamp(max=self.ids.shape[1] - 1)]
         return torch.nn.functional.one_hot(label, self.vocab).float() * 50.0
 
 
-def test_head_k_at_t_is_trained_on_token_t_plus_k_plus_2():
+class NextTokenTarget:
+    """A target whose lm_head at position p (read from the hidden state) is one-hot on ids[p + 1]:
+    soft labels then carry the same offsets as hard ones."""
+
+    dtype = torch.float32
+
+    def __init__(self, ids, vocab):
+        self.head = PositionOracle(ids, vocab, shift=1)
+
+    def get_output_embeddings(self):
+        return lambda h: self.head.head_logits(h, 0)
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_head_k_at_t_is_trained_on_token_t_plus_k_plus_2(soft):
     ids = torch.tensor([[7, 3, 9, 4, 8, 2, 6, 5]])
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
     feats = {"last_hidden": torch.arange(8.0)[None, :, None].expand(1, 8, 4)}  # hidden state at t encodes t
-    cfg = medusa.DrafterConfig(num_heads=3, soft_labels=False)
-    right, n, metrics = medusa.compute_loss(PositionOracle(ids, 10, shift=2), None, batch, feats, cfg)
+    cfg, target = medusa.DrafterConfig(num_heads=3, soft_labels=soft), NextTokenTarget(ids, 10)
+    right, n, metrics = medusa.compute_loss(PositionOracle(ids, 10, shift=2), target, batch, feats, cfg)
     assert right < 1e-3 and n == 6  # head 0 has T - 2 positions
     assert metrics["acc"] == 6 and metrics["acc1"] == 5 and metrics["acc2"] == 4
-    wrong, _, _ = medusa.compute_loss(PositionOracle(ids, 10, shift=1), None, batch, feats, cfg)
+    wrong, _, _ = medusa.compute_loss(PositionOracle(ids, 10, shift=1), target, batch, feats, cfg)
     assert wrong > 100  # one position off (what the target's own lm_head predicts) is heavily penalised
 
 

@@ -122,9 +122,11 @@ def test_offline_features_match_online_and_cost_4H_bytes_per_fp32_token(tiny_tar
     assert first[1] == first[2]
 
 
-def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_dir, chat_jsonl, tmp_path):
+@pytest.mark.parametrize("family", [{"drafter.feature_noise": 0}, {"drafter.type": "medusa", "drafter.num_heads": 2}],
+                         ids=["eagle", "medusa"])
+def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_dir, chat_jsonl, tmp_path, family):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-    common = _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{"drafter.feature_noise": 0, "optim.max_steps": 4})
+    common = _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{**family, "optim.max_steps": 4})
     recipe = tmp_path / "empty.yaml"
     recipe.write_text("{}\n")
     one = [str(recipe), *common, "run=one", "optim.batch_size=4"]
