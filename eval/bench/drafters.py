@@ -139,7 +139,7 @@ def main(argv=None) -> None:
         }
 
     print(format_table(reports))
-    print(f"\n{args.dtype}: | drafter | draft | T | τ | draft ms/round | lossless (mismatching prompts, max logit gap) "
+    print(f"\n{reports[0]['dtype']}: | drafter | draft | T | τ | draft ms/round | lossless (mismatching prompts, max logit gap) "
           "| speedup |\n|---|---|---|---|---|---|---|")
     for r in reports:
         shape = f"tree {r['tree']}" if r["tree"] else f"chain K={r['k']}"
