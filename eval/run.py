@@ -61,6 +61,10 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
     spec = parse_tree(tree) if tree else None
     if spec is not None and not hasattr(proposer, "propose_tree"):
         raise DraftsmithError(f"--tree: drafter '{name}' proposes chains only; drop --tree or use a trained drafter")
+    depth = spec.depth if spec is not None else k
+    if depth > getattr(proposer, "max_depth", depth):  # e.g. Medusa: one head per draft position
+        raise DraftsmithError(f"{'--tree' if spec else '--k'}: drafts {depth} deep, but drafter '{name}' drafts at "
+                              f"most {proposer.max_depth} tokens per round")
     if proposer is None:
         k = 0
     elif spec is not None:

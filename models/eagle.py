@@ -116,6 +116,10 @@ def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
     return FEATURES
 
 
+def max_draft_depth(cfg: DrafterConfig) -> int | None:
+    return None  # autoregressive over its own drafts: any chain length or tree depth
+
+
 def build(cfg: DrafterConfig, target, dataset=None) -> EagleDrafter:
     return EagleDrafter(layer_config(target.config))
 

@@ -118,6 +118,10 @@ class Eagle3Drafter(nn.Module):
         return full.index_copy_(-1, self.to_target_ids(torch.arange(small.shape[-1], device=small.device)), small)
 
 
+def max_draft_depth(cfg: DrafterConfig) -> int | None:
+    return None  # autoregressive over its own drafts: any chain length or tree depth
+
+
 def build(cfg: DrafterConfig, target, dataset=None) -> Eagle3Drafter:
     tc = target.config
     aux_layers(cfg, tc)

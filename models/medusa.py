@@ -46,6 +46,11 @@ class DrafterConfig:
     vocabulary EAGLE-3 uses; vLLM loads it as `truncated_vocab_size` + `token_map`). On CPU a full
     49152-token head costs about a fifth of a target forward per token."""
 
+    def __post_init__(self):  # checked when the recipe loads, before any model does
+        if self.num_heads < 1 or self.num_layers < 1 or self.draft_vocab_size < 0:
+            raise DraftsmithError(f"drafter: expected num_heads >= 1, num_layers >= 1 and draft_vocab_size >= 0, "
+                                  f"got {self.num_heads}, {self.num_layers}, {self.draft_vocab_size}")
+
 
 class ResBlock(nn.Module):
     def __init__(self, hidden: int, bias: bool):
@@ -100,9 +105,11 @@ def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
     return ("last_hidden",)  # the post-norm hidden state the target's lm_head reads
 
 
+def max_draft_depth(cfg: DrafterConfig) -> int | None:
+    return cfg.num_heads  # one head per draft position: no deeper chain or tree
+
+
 def build(cfg: DrafterConfig, target, dataset=None) -> MedusaHeads:
-    if cfg.num_heads < 1 or cfg.num_layers < 1:
-        raise DraftsmithError(f"drafter: num_heads and num_layers must be >= 1, got {cfg.num_heads} and {cfg.num_layers}")
     tc = target.config
     heads = MedusaHeads(tc.hidden_size, tc.vocab_size, cfg.num_heads, cfg.num_layers, cfg.fc_bias, cfg.draft_vocab_size)
     rows = torch.arange(tc.vocab_size)
@@ -181,6 +188,7 @@ class MedusaProposer:
 
     def __init__(self, heads: MedusaHeads):
         self.heads = heads.eval()
+        self.max_depth = len(heads.blocks)  # one head per draft position
 
     def reset(self):
         pass  # stateless: one pass over one hidden state per round
@@ -203,8 +211,6 @@ class MedusaProposer:
             raise DraftsmithError("--tree: Medusa heads build static trees (static:PATHS); dynamic trees need a "
                                   "drafter that conditions on its own drafts")
         logits = self._head_logits(feats)
-        if spec.depth > len(logits):
-            raise DraftsmithError(f"--tree: the tree is {spec.depth} deep but the drafter has {len(logits)} heads")
         ranked = [self.heads.to_target(lg.topk(spec.top_k).indices).tolist() for lg in logits[: spec.depth]]
         draft, index = Draft(), {}
         for path in spec.paths:  # sorted by depth, so a parent always precedes its children

@@ -17,7 +17,8 @@ DRAFTERS: dict[str, ModuleType] = {
 }
 
 # What every family module provides (checked by the registry test).
-INTERFACE = ("NAME", "DrafterConfig", "feature_names", "build", "rebuild", "compute_loss", "make_proposer")
+INTERFACE = ("NAME", "DrafterConfig", "feature_names", "max_draft_depth", "build", "rebuild", "compute_loss",
+             "make_proposer")
 
 
 def drafter_module(name: str, where: str = "drafter.type") -> ModuleType:

@@ -191,3 +191,16 @@ def test_reduced_head_vocabulary_maps_back_to_target_ids_and_exports_a_token_map
     assert torch.equal(state["token_map"], heads.token_map) and state["lm_heads.0.weight"].shape[0] == 20
     _, _, back = import_export(out, target)
     assert torch.equal(back.token_map, heads.token_map)
+
+
+def test_bad_medusa_configs_fail_when_the_recipe_loads():
+    from draftsmith import DraftsmithError
+    from draftsmith.train.config import load_config
+
+    with pytest.raises(DraftsmithError, match="expected num_heads >= 1"):
+        load_config(None, ["drafter.type=medusa", "drafter.num_heads=0"])
+    with pytest.raises(DraftsmithError, match="eval.tree drafts 3 deep, but a medusa drafter with this config drafts at most 2"):
+        load_config(None, ["drafter.type=medusa", "drafter.num_heads=2", "eval.tree=static:[[0],[0,0],[0,0,0]]"])
+    with pytest.raises(DraftsmithError, match="eval.k drafts 5 deep"):
+        load_config(None, ["drafter.type=medusa", "drafter.num_heads=4", "eval.k=5"])
+    assert load_config(None, ["drafter.type=medusa", "drafter.num_heads=4", "eval.k=4"]).drafter["num_heads"] == 4

@@ -206,10 +206,21 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
     drafter = dict(cfg.drafter)
     module = drafter_module(drafter.pop("type", "eagle"), f"{where}: drafter.type")
     # Validate now so a typo fails before any model is loaded; keep the dict form in Config.
-    from_dict(module.DrafterConfig, drafter, f"{where}: drafter")
+    dcfg = from_dict(module.DrafterConfig, drafter, f"{where}: drafter")
     cfg.drafter = {"type": module.NAME, **drafter}
     _validate(cfg, where)
+    limit = module.max_draft_depth(dcfg)
+    depth = parse_tree_depth(cfg.eval.tree) if cfg.eval.tree else cfg.eval.k
+    if limit is not None and cfg.eval.enabled and depth > limit:
+        raise DraftsmithError(f"{where}: {'eval.tree' if cfg.eval.tree else 'eval.k'} drafts {depth} deep, but a "
+                              f"{module.NAME} drafter with this config drafts at most {limit} tokens per round")
     return cfg
+
+
+def parse_tree_depth(spec: str) -> int:
+    from draftsmith.eval.tree import parse_tree
+
+    return parse_tree(spec, "eval.tree").depth
 
 
 def drafter_config(cfg: Config) -> Any:
