@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from draftsmith import DraftsmithError
 from draftsmith.data.load import encode_prompt, load_prompts
+from draftsmith.data.regenerate import eos_ids
 from draftsmith.eval.report import write_report
 from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculative_decode, target_decode, timed
 from draftsmith.eval.tree import parse_tree
@@ -70,7 +71,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
     elif spec is not None:
         k = spec.depth
     prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
-    eos = {i for i in [tok.eos_token_id, getattr(target.generation_config, "eos_token_id", None)] if isinstance(i, int)}
+    eos = eos_ids(target, tok)
     device = next(target.parameters()).device
     def sampler(seed):
         """None = greedy; otherwise one warping shared by target and drafter (lossless sampling)."""

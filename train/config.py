@@ -197,6 +197,7 @@ def read_yaml(path: str | Path) -> dict:
 
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Defaults < recipe YAML < overrides. Drafter keys are validated by the drafter's own config."""
+    from draftsmith.eval.tree import parse_tree
     from draftsmith.models.registry import drafter_module
 
     raw = read_yaml(recipe) if recipe else {}
@@ -210,17 +211,11 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
     cfg.drafter = {"type": module.NAME, **drafter}
     _validate(cfg, where)
     limit = module.max_draft_depth(dcfg)
-    depth = parse_tree_depth(cfg.eval.tree) if cfg.eval.tree else cfg.eval.k
+    depth = parse_tree(cfg.eval.tree, f"{where}: eval.tree").depth if cfg.eval.tree else cfg.eval.k
     if limit is not None and cfg.eval.enabled and depth > limit:
         raise DraftsmithError(f"{where}: {'eval.tree' if cfg.eval.tree else 'eval.k'} drafts {depth} deep, but a "
                               f"{module.NAME} drafter with this config drafts at most {limit} tokens per round")
     return cfg
-
-
-def parse_tree_depth(spec: str) -> int:
-    from draftsmith.eval.tree import parse_tree
-
-    return parse_tree(spec, "eval.tree").depth
 
 
 def drafter_config(cfg: Config) -> Any:
