@@ -54,7 +54,7 @@ def cmd_train(args) -> None:
 
 def cmd_eval(args) -> None:
     from draftsmith.eval.report import format_table
-    from draftsmith.eval.run import evaluate, load_drafter, make_baseline
+    from draftsmith.eval.run import evaluate, evaluate_drafter, load_drafter, make_baseline
     from draftsmith.models.common import read_drafter_meta
     from draftsmith.models.target import ensure_pad, load_target
 
@@ -70,15 +70,15 @@ def cmd_eval(args) -> None:
         target_name = target_name or meta["target"]
     target, tok = load_target(target_name or "smollm2-135m", args.dtype)
     ensure_pad(tok)
+    common = dict(k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                  target_name=target_name or "smollm2-135m", temperature=args.temperature, top_p=args.top_p, tree=args.tree)
     if args.drafter in ("none", "ngram"):
-        proposer, name, out = make_baseline(args.drafter), args.drafter, Path(args.out or f"eval-{args.drafter}")
+        out = Path(args.out or f"eval-{args.drafter}")
+        report = evaluate(make_baseline(args.drafter), args.drafter, target, tok, args.data, out, **common)
     else:
         module, dcfg, drafter = load_drafter(args.drafter, target)
-        proposer, name = module.make_proposer(drafter, target, dcfg), module.NAME
         out = Path(args.out) if args.out else Path(args.drafter).parent / "eval"
-    report = evaluate(proposer, name, target, tok, args.data, out, k=args.k, num_prompts=args.num_prompts,
-                      max_new_tokens=args.max_new_tokens, target_name=target_name or "smollm2-135m",
-                      temperature=args.temperature, top_p=args.top_p, tree=args.tree)
+        report = evaluate_drafter(module, drafter, dcfg, target, tok, args.data, out, **common)
     print(format_table([report]))
     print(f"wrote {out}/report.json, report.md, acceptance.png")
 
@@ -89,8 +89,8 @@ def cmd_export(args) -> None:
     from draftsmith.models.target import load_target
 
     meta = read_drafter_meta(Path(args.drafter))
-    target, _ = load_target(args.target or meta["target"])
-    out = export(args.drafter, target, args.format, args.out)
+    target, tok = load_target(args.target or meta["target"])
+    out = export(args.drafter, target, args.format, args.out, tok)
     print(f"wrote {out} ({args.format} format)")
 
 

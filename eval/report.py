@@ -50,7 +50,19 @@ def _markdown(r: dict) -> str:
         f"{r.get('mismatch_logit_gaps') or '-'} (bf16 near-ties show as gaps near bf16 resolution).",
         "*sampled: outputs differ by design at temperature > 0; the rejection rule's exactness is",
         "checked as a distribution (chi-square test in draftsmith's test suite).", "",
+        *_drift(r),
     ])
+
+
+def _drift(r: dict) -> list[str]:
+    """Medusa-2 trains its verifier: how far the trained backbone moved from the original target."""
+    d = r.get("drift")
+    if not d:
+        return []
+    return ["## Backbone drift (the verifier is the trained backbone)", "",
+            f"Prompts whose greedy output is unchanged: {d['unchanged_fraction']:.0%}; next-token agreement along "
+            f"the original's outputs: {d['token_agreement']:.1%}; τ of the same heads on the original target: "
+            f"{d['original_tau']:.2f}.", ""]
 
 
 def _plot(r: dict, path: Path) -> None:

@@ -113,3 +113,42 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
     if out is not None:
         write_report(report, out)
     return report
+
+
+def evaluate_drafter(module, drafter, dcfg, target, tok, holdout: str, out: Path | None, **kwargs) -> dict:
+    """The eval stage for a trained drafter of any family. The family's `verifier` checks the drafts:
+    the target itself, or for a family that trained the backbone (Medusa-2) the trained backbone with
+    its adapters merged, and then the report adds that backbone's drift from the original target."""
+    verifier = module.verifier(drafter, target)
+    proposer = module.make_proposer(drafter, verifier, dcfg)
+    report = evaluate(proposer, module.NAME, verifier, tok, holdout, None, **kwargs)
+    if verifier is not target:
+        with drafter.original() as original:
+            report["drift"] = backbone_drift(original, verifier, tok, holdout, proposer, **kwargs)
+    if out is not None:
+        write_report(report, out)
+    return report
+
+
+@torch.no_grad()
+def backbone_drift(original, trained, tok, holdout: str, proposer, k: int = 5, num_prompts: int = 20,
+                   max_new_tokens: int = 64, tree: str | None = None, **_) -> dict:
+    """How far training moved the verifier, on the holdout prompts (greedy):
+    - unchanged_fraction: prompts whose greedy output is the same under the original and the trained target;
+    - token_agreement: along the original's greedy output, how often the trained target's next-token
+      argmax is the original's token (teacher-forced, so one early change does not count twice);
+    - original_tau: τ of the same heads drafting for the *original* target (what they would give if
+      the backbone were served unchanged)."""
+    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
+    eos, device = eos_ids(original, tok), next(original.parameters()).device
+    spec, stats = (parse_tree(tree) if tree else None), Stats(k=k)
+    unchanged, agree, total = 0, 0, 0
+    for prompt in prompts:
+        ref = target_decode(original, prompt, max_new_tokens, eos)
+        unchanged += int(target_decode(trained, prompt, max_new_tokens, eos) == ref)
+        logits = trained(torch.tensor([prompt + ref], device=device)).logits[0, len(prompt) - 1 : -1]
+        agree += int((logits.argmax(-1).cpu() == torch.tensor(ref)).sum())
+        total += len(ref)
+        speculative_decode(original, proposer, prompt, spec.depth if spec else k, max_new_tokens, eos, None, stats, spec)
+    return {"unchanged_fraction": round(unchanged / len(prompts), 4), "token_agreement": round(agree / max(total, 1), 4),
+            "original_tau": round(stats.tau, 4)}

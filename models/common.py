@@ -63,6 +63,16 @@ def draft_vocab(dataset, vocab: int, size: int) -> torch.Tensor:
     return order.sort().values
 
 
+def single_group(drafter: torch.nn.Module, cfg, lr: float) -> list[dict]:
+    """`param_groups` of a family that trains one module at one learning rate (optim.lr)."""
+    return [{"name": "drafter", "params": [p for p in drafter.parameters() if p.requires_grad], "lr": lr}]
+
+
+def frozen_target(drafter: torch.nn.Module, target):
+    """`verifier` of a family that leaves the target untouched: the target verifies the drafts."""
+    return target
+
+
 def save_drafter(module: torch.nn.Module, out: Path, meta: dict) -> Path:
     """Write `config.json` + `model.safetensors` to a temp folder, then rename into place."""
     out = Path(out)

@@ -21,7 +21,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from draftsmith.models.common import FeatureProposer, ttt_mask
+from draftsmith.models.common import FeatureProposer, frozen_target, single_group, ttt_mask
 from draftsmith.train.losses import smooth_l1_feature_loss, soft_cross_entropy, topk_distillation_loss
 
 NAME = "eagle"
@@ -128,7 +128,7 @@ def rebuild(meta: dict, target) -> EagleDrafter:
     return EagleDrafter(layer_config(target.config))
 
 
-def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig):
+def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
     """Returns (loss_sum, n_tokens, metric_sums) over the tokens the loss mask keeps; n_tokens
     counts step-0 positions.
 
@@ -176,3 +176,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig):
 def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
     return FeatureProposer(drafter, target, FEATURES, to_hidden=lambda feats: feats["last_hidden"], step=drafter.step,
                          logits=target.get_output_embeddings())
+
+
+# The drafter is one module trained at optim.lr, and the target it reads stays frozen.
+param_groups, verifier = single_group, frozen_target

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import FeatureProposer, draft_vocab, ttt_mask
+from draftsmith.models.common import FeatureProposer, draft_vocab, frozen_target, single_group, ttt_mask
 from draftsmith.models.eagle import layer_config
 from draftsmith.train.losses import soft_cross_entropy, topk_distillation_loss
 
@@ -146,7 +146,7 @@ def aux_features(feats: dict, names: tuple[str, ...]) -> torch.Tensor:
     return torch.cat([feats[n] for n in names if n.startswith("hidden.")], dim=-1)
 
 
-def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig):
+def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
     """Returns (loss_sum, n_tokens, metric_sums); n_tokens counts step-0 positions.
 
     batch: input_ids, attention_mask, loss_mask [B, T]; feats: `feature_names` -> [B, T, H].
@@ -206,3 +206,7 @@ def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
         step=drafter.step,
         logits=drafter.target_vocab_logits,
     )
+
+
+# The drafter is one module trained at optim.lr, and the target it reads stays frozen.
+param_groups, verifier = single_group, frozen_target

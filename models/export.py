@@ -5,7 +5,7 @@
 | eagle  | `vllm`/`sglang` | vLLM `EagleLlamaForCausalLM`, SGLang `LlamaForCausalLMEagle` |
 | eagle3 | `sglang`      | official EAGLE-3 / SGLang / vLLM `LlamaForCausalLMEagle3`    |
 | eagle3 | `speculators` | vLLM speculators `Eagle3Speculator`                         |
-| medusa | `vllm`        | vLLM `MedusaModel`                                          |
+| medusa | `vllm`        | vLLM `MedusaModel` (Medusa-2: + `backbone/`, the new target) |
 
 Every export is written to a temp folder and renamed; `import_export` maps it back to a draftsmith
 drafter so tests can check that the exported head decodes exactly like the trained one.
@@ -79,19 +79,26 @@ def _eagle3_speculators(drafter, meta: dict, target) -> tuple[dict, dict]:
 
 def _medusa_vllm(heads, meta: dict) -> tuple[dict, dict]:
     """vLLM `MedusaModel`: blocks.{h}.layers.{l}.weight (+ .bias only with medusa_fc_bias: vLLM builds
-    the ResBlock linears without bias otherwise) and lm_heads.{h}.weight."""
+    the ResBlock linears without bias otherwise) and lm_heads.{h}.weight, or one lm_head.weight
+    (the target's) with original_lm_head."""
     state = {k.replace(".linear.", "."): v for k, v in heads.state_dict().items()}
-    lm, vocab = heads.lm_heads[0], meta["target_vocab_size"]
+    shared = heads.shared_lm_head is not None
+    if shared:  # vLLM gives every head this one lm_head
+        state["lm_head.weight"] = heads.shared_lm_head.weight.detach()
+    lm, vocab = (heads.shared_lm_head if shared else heads.lm_heads[0]), meta["target_vocab_size"]
     # A reduced head vocabulary: vLLM scatters the heads' logits through `token_map` (-inf elsewhere).
     truncated = lm.out_features if lm.out_features < vocab else None
     config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": lm.in_features,
               "vocab_size": vocab, "num_heads": len(heads.blocks), "num_hidden_layers": len(heads.blocks[0].layers),
               "medusa_fc_bias": heads.blocks[0].layers[0].linear.bias is not None,
-              "truncated_vocab_size": truncated, "original_lm_head": False}
+              "truncated_vocab_size": truncated, "original_lm_head": shared}
     return config, state
 
 
-def export(drafter_dir: str | Path, target, fmt: str, out: str | Path) -> Path:
+def export(drafter_dir: str | Path, target, fmt: str, out: str | Path, tok=None) -> Path:
+    """Write `out/` in format `fmt`. A Medusa-2 drafter also writes `out/backbone/`: the trained
+    backbone with its adapters merged, a plain transformers folder with the target's tokenizer (`tok`),
+    which serves as the new target (vLLM `--model out/backbone`, `speculative_config.model: out`)."""
     from draftsmith.eval.run import load_drafter
 
     module, cfg, drafter = load_drafter(drafter_dir, target)  # checks the target fingerprint
@@ -102,20 +109,29 @@ def export(drafter_dir: str | Path, target, fmt: str, out: str | Path) -> Path:
     if module.NAME == "eagle":
         config, state = _eagle1(drafter, meta)
     elif module.NAME == "medusa":
-        config, state = _medusa_vllm(drafter, {**meta, "target_vocab_size": target.config.vocab_size})
+        config, state = _medusa_vllm(getattr(drafter, "heads", drafter), {**meta, "target_vocab_size": target.config.vocab_size})
     else:
         meta = {**meta, "aux_layers": list(module.aux_layers(cfg, target.config))}
         config, state = (_eagle3_speculators(drafter, meta, target) if fmt == "speculators"
                          else _eagle3_sglang(drafter, meta))
     config["draftsmith"] = {"drafter": module.NAME, "format": fmt, "target": meta["target"],
                             "target_fingerprint": meta["target_fingerprint"], "drafter_config": meta["drafter_config"]}
-    return _write(config, state, Path(out))
+    backbone = module.verifier(drafter, target)
+    if backbone is not target:
+        if tok is None:
+            raise DraftsmithError(f"{drafter_dir}: exporting a trained backbone needs the target's tokenizer")
+        config["draftsmith"]["backbone"] = "backbone"  # the new target, relative to this folder
+    return _write(config, state, Path(out), None if backbone is target else (backbone, tok))
 
 
-def _write(config: dict, state: dict, out: Path) -> Path:
+def _write(config: dict, state: dict, out: Path, backbone=None) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    if backbone is not None:
+        model, tok = backbone
+        model.save_pretrained(tmp / "backbone")
+        tok.save_pretrained(tmp / "backbone")
     # Weights keep the dtype they were trained and evaluated in; engines cast on load.
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -136,8 +152,11 @@ def import_export(path: str | Path, target):
         raise DraftsmithError(f"{path}/config.json: not exported by draftsmith (no 'draftsmith' section)")
     module = drafter_module(info["drafter"])
     cfg = from_dict(module.DrafterConfig, {k: v for k, v in info["drafter_config"].items() if k != "type"}, str(path))
+    if info["drafter"] == "medusa":  # exported heads are plain Medusa heads; a Medusa-2 backbone is `backbone/`
+        cfg.backbone = "frozen"
     drafter = module.build(cfg, target)
     state = load_file(Path(path) / "model.safetensors")
+    state.pop("lm_head.weight", None) if info["drafter"] == "medusa" else None  # original_lm_head: the target's
     state.pop("fc.bias", None) if info["drafter"] == "eagle" else None
     state.pop("embed_tokens.weight", None)
     renames = {("eagle", "layers.0."): "layer.", ("eagle3", "layers.0."): "midlayer."}

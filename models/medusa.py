@@ -1,5 +1,6 @@
 """Medusa heads (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with
-Multiple Decoding Heads", arXiv:2401.10774), Medusa-1: the target stays frozen.
+Multiple Decoding Heads", arXiv:2401.10774). Medusa-1 (`backbone: frozen`) trains the heads on a
+frozen target; Medusa-2 (`backbone: lora` or `full`) trains heads and backbone together.
 
 K heads sit on the target's last (post-norm) hidden state h_t, the input of its lm_head. The
 target's own lm_head at t predicts token t+1; **head k (0-based) at t predicts token t+k+2**. Each
@@ -11,10 +12,22 @@ All heads fire from the same hidden state in one pass: a chain takes each head's
 tree each head's top-k (eval/tree.py). Loss: sum_k decay^k * CE_k, against the target's own
 distribution at t+k+1 (soft labels: self-distilled data, whose tokens the target chose itself) or
 the hard token t+k+2 (fixed data). Tensor names follow vLLM's `MedusaModel` (models/export.py).
+
+Medusa-2 (paper section 2.2.2) adds the backbone's self-distillation: loss = KL(p_original || p_trained)
+on the backbone's own next-token distribution + lambda0 * sum_k decay^k CE_k, lambda0 ramped up
+(constant / linear / sine) so that untrained heads do not pull the backbone away early. With LoRA the
+original is the same model with its adapters disabled, so no second copy is held; `full` trains a copy
+of the decoder and keeps the frozen target as the original. The two-stage recipe (heads only for
+`heads_only_steps`, then joint) is one run: the backbone's optimizer group starts its schedule late.
+The trained backbone becomes the new target: the eval verifies with it (adapters merged) and reports
+how far it drifted from the original.
 """
 
 from __future__ import annotations
 
+import copy
+import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +36,7 @@ from torch import nn
 from draftsmith import DraftsmithError
 from draftsmith.eval.tree import Draft
 from draftsmith.models.common import draft_vocab
-from draftsmith.train.losses import soft_cross_entropy
+from draftsmith.train.losses import kl_divergence, soft_cross_entropy
 
 NAME = "medusa"
 
@@ -45,11 +58,45 @@ class DrafterConfig:
     """0 = heads over the full target vocabulary; N = over the N most frequent trained tokens (the draft
     vocabulary EAGLE-3 uses; vLLM loads it as `truncated_vocab_size` + `token_map`). On CPU a full
     49152-token head costs about a fifth of a target forward per token."""
+    original_lm_head: bool = False
+    """Every head reuses the target's own lm_head (no vocabulary parameters; vLLM `original_lm_head`)."""
+    # --- Medusa-2 --------------------------------------------------------------------------------
+    backbone: str = "frozen"
+    """`frozen` (Medusa-1), `lora` (Medusa-2 through peft adapters) or `full` (Medusa-2, every decoder
+    weight; embeddings and lm_head stay frozen)."""
+    backbone_lr: float = 0.0
+    """Learning rate of the backbone (adapters or decoder); required for Medusa-2. The heads keep
+    `optim.lr`, so optim.lr / backbone_lr is Medusa's heads learning-rate multiplier."""
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """Comma-separated names of the target's linear layers, or `all-linear` (the lm_head is never adapted)."""
+    lambda0: float = 0.2
+    """Weight of the heads' loss next to the backbone's KL once the ramp is done (Medusa-2)."""
+    lambda0_schedule: str = "sine"
+    """How lambda0 ramps up from 0 over `lambda0_warmup_steps` of joint training: constant, linear or sine."""
+    lambda0_warmup_steps: int = 0
+    heads_only_steps: int = 0
+    """Two-stage Medusa-2: train only the heads (Medusa-1 on the unchanged backbone) for this many
+    optimizer steps, then heads and backbone together."""
 
     def __post_init__(self):  # checked when the recipe loads, before any model does
         if self.num_heads < 1 or self.num_layers < 1 or self.draft_vocab_size < 0:
             raise DraftsmithError(f"drafter: expected num_heads >= 1, num_layers >= 1 and draft_vocab_size >= 0, "
                                   f"got {self.num_heads}, {self.num_layers}, {self.draft_vocab_size}")
+        if self.backbone not in ("frozen", "lora", "full"):
+            raise DraftsmithError(f"drafter.backbone: expected frozen, lora or full, got {self.backbone!r}")
+        if self.lambda0_schedule not in ("constant", "linear", "sine"):
+            raise DraftsmithError(f"drafter.lambda0_schedule: expected constant, linear or sine, got {self.lambda0_schedule!r}")
+        if self.backbone != "frozen" and not self.backbone_lr > 0:
+            raise DraftsmithError(f"drafter.backbone_lr: a Medusa-2 run (backbone: {self.backbone}) needs the backbone's "
+                                  "learning rate, e.g. backbone_lr: 1.0e-4 (the heads use optim.lr)")
+        if self.original_lm_head and self.draft_vocab_size:
+            raise DraftsmithError("drafter: original_lm_head shares the target's full-vocabulary lm_head; "
+                                  "it cannot be combined with draft_vocab_size")
+        if self.lora_rank < 1 or self.heads_only_steps < 0 or self.lambda0_warmup_steps < 0:
+            raise DraftsmithError("drafter: expected lora_rank >= 1, heads_only_steps >= 0 and lambda0_warmup_steps >= 0")
 
 
 class ResBlock(nn.Module):
@@ -65,9 +112,12 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """blocks[h].layers[l] and lm_heads[h]: vLLM's MedusaModel names, without its `medusa_heads.` prefix."""
+    """blocks[h].layers[l] and lm_heads[h]: vLLM's MedusaModel names, without its `medusa_heads.` prefix.
+    With `shared_lm_head` (vLLM's `original_lm_head`) every head ends in the target's own lm_head,
+    held by reference: not a parameter of the heads, never trained, saved or copied."""
 
-    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int, bias: bool, draft_vocab: int = 0):
+    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int, bias: bool, draft_vocab: int = 0,
+                 shared_lm_head: nn.Module | None = None):
         super().__init__()
         if draft_vocab:  # token_map[i] = the target id of draft id i (vLLM's name)
             self.register_buffer("token_map", torch.arange(draft_vocab))
@@ -76,12 +126,18 @@ class MedusaHeads(nn.Module):
             nn.Module() for _ in range(num_heads))
         for block in self.blocks:
             block.layers = nn.ModuleList(ResBlock(hidden, bias) for _ in range(num_layers))
-        self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(num_heads))
+        object.__setattr__(self, "shared_lm_head", shared_lm_head)  # a plain attribute: not a submodule
+        n_own = 0 if shared_lm_head is not None else num_heads
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(n_own))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.blocks[0].layers[0].linear.weight.dtype
 
     def head_logits(self, h: torch.Tensor, k: int) -> torch.Tensor:
         for layer in self.blocks[k].layers:
             h = layer(h)
-        return self.lm_heads[k](h)
+        return self.lm_heads[k](h) if len(self.lm_heads) else self.shared_lm_head(h.to(self.shared_lm_head.weight.dtype))
 
     def forward(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
         """hs[k]: head k's input hidden states [..., H] -> head k's logits [..., V] (V = the draft
@@ -101,80 +157,207 @@ class MedusaHeads(nn.Module):
         return lookup[target_ids.clamp(max=len(lookup) - 1)]
 
 
+class Medusa2(nn.Module):
+    """Medusa-2: the heads plus the backbone they read, trained together in one forward (so DDP sees
+    one forward per backward). `lora`: peft injects adapters into the target in place, so the target
+    object *is* the backbone and disabling the adapters gives back the original. `full`: the backbone
+    is a trainable copy of the target and the target itself stays frozen as the original.
+
+    Only what training changes is in state_dict (adapters or decoder weights, and the heads): a
+    checkpoint of a LoRA run holds no copy of the target."""
+
+    def __init__(self, cfg: DrafterConfig, target, heads: MedusaHeads):
+        super().__init__()
+        self.lora = cfg.backbone == "lora"
+        if self.lora:
+            from peft import get_peft_model
+
+            self.backbone = get_peft_model(target, lora_config(cfg, target))
+            for name, m in self.backbone.named_modules():  # the frozen target is in eval mode; its
+                if "lora_dropout" in name and isinstance(m, nn.Dropout):  # adapters' dropout trains
+                    m.train()
+        else:
+            self.backbone = copy.deepcopy(target).requires_grad_(False)
+            self.backbone.get_decoder().requires_grad_(True)
+            self.backbone.get_input_embeddings().requires_grad_(False)  # tied to the lm_head in many targets
+            object.__setattr__(self, "frozen", target)  # the original: not a submodule, never trained or saved
+        self.heads = heads
+
+    @property
+    def model(self):
+        """The transformers model being trained (adapters injected, for LoRA)."""
+        return self.backbone.get_base_model() if self.lora else self.backbone
+
+    @contextmanager
+    def original(self):
+        """The target as it was before training: the adapters disabled, or the frozen original."""
+        if self.lora:
+            with self.backbone.disable_adapter():
+                yield self.model
+        else:
+            yield self.frozen
+
+    def merged(self):
+        """A plain transformers model of the trained backbone (adapters merged into a copy), frozen:
+        the new target that verifies the heads' drafts."""
+        from draftsmith.models.target import freeze
+
+        if not self.lora:
+            return freeze(copy.deepcopy(self.backbone))
+        return freeze(copy.deepcopy(self.backbone).merge_and_unload())
+
+    def _saved(self) -> set[str]:
+        return {n for n, p in self.named_parameters() if p.requires_grad} | {f"heads.{n}" for n in self.heads.state_dict()}
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        out = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        keep = self._saved()
+        for name in [n for n in out if n.startswith(prefix) and n[len(prefix):] not in keep]:
+            del out[name]
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        missing, unexpected = super().load_state_dict(state_dict, strict=False, assign=assign)
+        keep = self._saved()
+        missing = [n for n in missing if n in keep]  # the frozen target's weights are never saved
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Medusa-2 state: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def forward(self, input_ids, attention_mask, rows, teach, joint: bool):
+        """rows[k]: (b, t) positions of head k's inputs; teach: (b, p) positions whose next token is
+        trained. -> (head logits per head, the trained backbone's logits at `teach` [N, V] or None
+        before joint training, the original's logits at `teach` [N, V])."""
+        def decode(model):
+            return model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+        with torch.no_grad(), self.original() as original:
+            h0 = decode(original)
+            teacher = original.get_output_embeddings()(h0[teach]).float()
+        if joint:
+            h = decode(self.model)
+            trained = self.model.get_output_embeddings()(h[teach])
+        else:  # heads only: the backbone is still the original, so its hidden states are h0
+            h, trained = h0, None
+        logits = self.heads([h[b, t] for b, t in rows])
+        if not joint:  # every trainable parameter must get a gradient for DDP; a zero one changes nothing
+            anchor = sum(p.sum() for n, p in self.named_parameters() if p.requires_grad and not n.startswith("heads."))
+            logits[0] = logits[0] + 0.0 * anchor
+        return logits, trained, teacher
+
+
+def lora_config(cfg: DrafterConfig, target):
+    """peft LoraConfig; names that are not linear layers of the target fail with the ones that are."""
+    from peft import LoraConfig
+
+    out = target.get_output_embeddings()
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in target.named_modules() if isinstance(m, nn.Linear) and m is not out})
+    wanted = [n.strip() for n in cfg.lora_target_modules.split(",") if n.strip()]
+    if wanted != ["all-linear"]:
+        unknown = [n for n in wanted if n not in linear]
+        if unknown or not wanted:
+            raise DraftsmithError(f"drafter.lora_target_modules: {', '.join(unknown) or 'nothing given'} not in the "
+                                  f"target; its linear layers are {', '.join(linear)} (or use all-linear)")
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules="all-linear" if wanted == ["all-linear"] else wanted, bias="none")
+
+
 def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
-    return ("last_hidden",)  # the post-norm hidden state the target's lm_head reads
+    # Medusa-1 reads the post-norm hidden state the target's lm_head reads (cacheable); Medusa-2
+    # computes it itself, with gradients, from the backbone being trained.
+    return ("last_hidden",) if cfg.backbone == "frozen" else ()
 
 
 def max_draft_depth(cfg: DrafterConfig) -> int | None:
     return cfg.num_heads  # one head per draft position: no deeper chain or tree
 
 
-def build(cfg: DrafterConfig, target, dataset=None) -> MedusaHeads:
+def build(cfg: DrafterConfig, target, dataset=None) -> MedusaHeads | Medusa2:
     tc = target.config
-    heads = MedusaHeads(tc.hidden_size, tc.vocab_size, cfg.num_heads, cfg.num_layers, cfg.fc_bias, cfg.draft_vocab_size)
+    lm_head = target.get_output_embeddings()
+    heads = MedusaHeads(tc.hidden_size, tc.vocab_size, cfg.num_heads, cfg.num_layers, cfg.fc_bias, cfg.draft_vocab_size,
+                        shared_lm_head=lm_head if cfg.original_lm_head else None)
     rows = torch.arange(tc.vocab_size)
     if cfg.draft_vocab_size and dataset is not None:
         rows = draft_vocab(dataset, tc.vocab_size, cfg.draft_vocab_size)
         heads.token_map.copy_(rows)
     with torch.no_grad():  # every head starts as the target's own lm_head (rows of the draft vocabulary)
         for lm in heads.lm_heads:
-            lm.weight.copy_(target.get_output_embeddings().weight[rows[: lm.out_features]].float())
-    return heads
+            lm.weight.copy_(lm_head.weight[rows[: lm.out_features]].float())
+    return heads if cfg.backbone == "frozen" else Medusa2(cfg, target, heads)
 
 
-def rebuild(meta: dict, target) -> MedusaHeads:
+def rebuild(meta: dict, target) -> MedusaHeads | Medusa2:
     cfg = DrafterConfig(**{k: v for k, v in meta["drafter_config"].items() if k != "type"})
     return build(cfg, target)
 
 
-def compute_loss(heads, target, batch: dict, feats: dict, cfg: DrafterConfig):
+def param_groups(drafter, cfg: DrafterConfig, lr: float) -> list[dict]:
+    """Heads at optim.lr; a Medusa-2 backbone at backbone_lr, its schedule starting after the
+    heads-only stage (`start_step`, read by the loop's scheduler)."""
+    if not isinstance(drafter, Medusa2):
+        return [{"name": "heads", "params": list(drafter.parameters()), "lr": lr}]
+    backbone = [p for n, p in drafter.named_parameters() if p.requires_grad and not n.startswith("heads.")]
+    return [{"name": "heads", "params": list(drafter.heads.parameters()), "lr": lr},
+            {"name": "backbone", "params": backbone, "lr": cfg.backbone_lr, "start_step": cfg.heads_only_steps}]
+
+
+def lambda0(cfg: DrafterConfig, step: int) -> float:
+    """The heads' loss weight at optimizer step `step`: ramped from 0 at the start of joint training."""
+    done = 1.0 if cfg.lambda0_warmup_steps == 0 else min(1.0, max(0, step - cfg.heads_only_steps) / cfg.lambda0_warmup_steps)
+    ramp = {"constant": 1.0, "linear": done, "sine": math.sin(math.pi / 2 * done)}[cfg.lambda0_schedule]
+    return cfg.lambda0 * ramp
+
+
+def compute_loss(model, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
     """Returns (loss_sum, n_tokens, metric_sums); n_tokens counts head-0 positions.
 
-    batch: input_ids, loss_mask [B, T]; feats["last_hidden"]: [B, T, H].
+    batch: input_ids, attention_mask, loss_mask [B, T]; feats["last_hidden"]: [B, T, H] (Medusa-1;
+    Medusa-2 computes it). Medusa-1: sum_k decay^k CE_k. Medusa-2: KL(p_original || p_trained) +
+    lambda0(step) * sum_k decay^k CE_k; heads only (no KL) before `heads_only_steps`.
     """
     ids, lmask = batch["input_ids"], batch["loss_mask"].bool()
-    last = feats["last_hidden"]
-    core = getattr(heads, "module", heads)  # DDP wraps the module
-    h = last.to(core.lm_heads[0].weight.dtype)
-    if cfg.soft_labels:
+    core = getattr(model, "module", model)  # DDP wraps the module
+    heads = core.heads if isinstance(core, Medusa2) else core
+    # Head k at position t predicts token t+k+2: its inputs are positions t with token t+k+2 trained
+    # (loss mask), i.e. the nonzeros of lmask[:, k+2:] indexed by t.
+    rows = [lmask[:, k + 2:].nonzero(as_tuple=True) for k in range(min(cfg.num_heads, ids.shape[1] - 2))]
+    # Positions p whose next token p+1 is trained: the target's distribution at p labels token p+1,
+    # computed once for every head (head k's label for token t+k+2 is the distribution at p = t+k+1).
+    teach = lmask[:, 1:].nonzero(as_tuple=True)
+    if not rows:  # fewer than 3 tokens: nothing to learn, but every trainable weight joins the backward (DDP)
+        return sum(p.sum() for p in core.parameters() if p.requires_grad) * 0.0, torch.tensor(0, device=ids.device), {}
+    joint = isinstance(core, Medusa2) and step >= cfg.heads_only_steps
+    if isinstance(core, Medusa2):
+        logits, trained, teacher = model(ids, batch.get("attention_mask"), rows, teach, joint)
+    else:
+        last = feats["last_hidden"]
         with torch.no_grad():
-            # The target's distribution at every position p whose next token is trained, computed
-            # once for all heads (head k reads position t+k+1 for its label of token t+k+2).
-            nb, np_ = lmask[:, 1:].nonzero(as_tuple=True)
-            row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
-            row_of[nb, np_] = torch.arange(len(nb), device=ids.device)
-            all_teacher = target.get_output_embeddings()(last[nb, np_].to(target.dtype)).float()
-    selections, labels = [], []
-    for k in range(min(cfg.num_heads, ids.shape[1] - 2)):
-        # Head k at position t predicts token t+k+2: inputs are positions 0..T-k-3, labels the
-        # tokens 2+k.. (counted only where that token is trained, per the loss mask).
-        shift = k + 2
-        b_idx, t_idx = lmask[:, shift:].nonzero(as_tuple=True)
-        if cfg.soft_labels:
-            # The target's own distribution for token t+k+2 is its lm_head at position t+k+1.
-            full = all_teacher[row_of[b_idx, t_idx + shift - 1]]
-            wanted_target = full.argmax(-1)
-        else:
-            wanted_target = ids[b_idx, t_idx + shift]
+            teacher = target.get_output_embeddings()(last[teach].to(target.dtype)).float() if cfg.soft_labels else None
+        h = last.to(heads.dtype)
+        logits = model([h[b, t] for b, t in rows])  # one call through DDP for all heads
+    row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
+    row_of[teach] = torch.arange(len(teach[0]), device=ids.device)
+    heads_loss, metrics, n = 0.0, {}, None
+    for k, ((b, t), lg) in enumerate(zip(rows, logits)):
+        soft = teacher[row_of[b, t + k + 1]] if cfg.soft_labels else None
+        wanted = soft.argmax(-1) if soft is not None else ids[b, t + k + 2]
         # With a draft vocabulary, only positions whose wanted token is in it can be learned (as EAGLE-3).
-        wanted = core.to_draft(wanted_target)
-        teacher = None
-        if cfg.soft_labels:
-            teacher = full[:, core.token_map] if hasattr(core, "token_map") else full
-        selections.append(h[b_idx, t_idx])
-        labels.append((wanted, teacher))
-    if not selections:
-        return last.sum() * 0.0, torch.tensor(0, device=ids.device), {}
-    total, metrics = 0.0, {}
-    for k, (logits, (wanted, teacher)) in enumerate(zip(heads(selections), labels)):
+        wanted = heads.to_draft(wanted)
         keep = wanted >= 0
-        if teacher is not None:
-            loss = soft_cross_entropy(logits, teacher, keep.float())
+        if soft is not None:
+            soft = soft[:, heads.token_map] if hasattr(heads, "token_map") else soft
+            loss = soft_cross_entropy(lg, soft, keep.float())
         else:
-            loss = nn.functional.cross_entropy(logits.float()[keep], wanted[keep], reduction="sum")
-        total = total + cfg.decay ** k * loss
-        metrics["acc" if k == 0 else f"acc{k}"] = ((logits.argmax(-1) == wanted) & keep).float().sum().detach()
-    return total, (labels[0][0] >= 0).sum(), metrics
+            loss = nn.functional.cross_entropy(lg.float()[keep], wanted[keep], reduction="sum")
+        heads_loss = heads_loss + cfg.decay ** k * loss
+        metrics["acc" if k == 0 else f"acc{k}"] = ((lg.argmax(-1) == wanted) & keep).float().sum().detach()
+        n = keep.sum() if k == 0 else n
+    if not joint:
+        return heads_loss, n, metrics
+    kl = kl_divergence(trained, teacher, torch.ones(len(teacher), device=ids.device))
+    metrics.update(heads_loss=heads_loss.detach(), kl_loss=kl.detach())
+    return kl + lambda0(cfg, step) * heads_loss, n, metrics
 
 
 class MedusaProposer:
@@ -194,7 +377,7 @@ class MedusaProposer:
         pass  # stateless: one pass over one hidden state per round
 
     def _head_logits(self, feats: dict) -> list[torch.Tensor]:
-        h = feats["last_hidden"][0, -1].to(self.heads.lm_heads[0].weight.dtype)
+        h = feats["last_hidden"][0, -1].to(self.heads.dtype)
         return self.heads([h] * len(self.heads.blocks))
 
     @torch.no_grad()
@@ -218,5 +401,10 @@ class MedusaProposer:
         return draft
 
 
-def make_proposer(heads, target, cfg: DrafterConfig) -> MedusaProposer:
-    return MedusaProposer(heads)
+def make_proposer(drafter, target, cfg: DrafterConfig) -> MedusaProposer:
+    return MedusaProposer(drafter.heads if isinstance(drafter, Medusa2) else drafter)
+
+
+def verifier(drafter, target):
+    """The model that verifies drafts: the target for Medusa-1; Medusa-2's trained backbone (merged)."""
+    return drafter.merged() if isinstance(drafter, Medusa2) else target

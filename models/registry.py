@@ -17,8 +17,8 @@ DRAFTERS: dict[str, ModuleType] = {
 }
 
 # What every family module provides (checked by the registry test).
-INTERFACE = ("NAME", "DrafterConfig", "feature_names", "max_draft_depth", "build", "rebuild", "compute_loss",
-             "make_proposer")
+INTERFACE = ("NAME", "DrafterConfig", "feature_names", "max_draft_depth", "build", "rebuild", "param_groups",
+             "compute_loss", "make_proposer", "verifier")
 
 
 def drafter_module(name: str, where: str = "drafter.type") -> ModuleType:

@@ -23,6 +23,8 @@ class PositionOracle(torch.nn.Module):
         self.ids, self.vocab, self.shift = ids, vocab, shift
         self.lm_heads = torch.nn.ModuleList([torch.nn.Linear(1, 1)])
 
+    dtype = torch.float32
+
     def to_draft(self, ids):  # full vocabulary
         return ids
 
@@ -204,3 +206,149 @@ def test_bad_medusa_configs_fail_when_the_recipe_loads():
     with pytest.raises(DraftsmithError, match="eval.k drafts 5 deep"):
         load_config(None, ["drafter.type=medusa", "drafter.num_heads=4", "eval.k=5"])
     assert load_config(None, ["drafter.type=medusa", "drafter.num_heads=4", "eval.k=4"]).drafter["num_heads"] == 4
+
+
+# --- Medusa-2: heads and backbone trained together -------------------------------------------------
+
+MEDUSA2 = {"drafter.type": "medusa", "drafter.num_heads": 2, "drafter.backbone": "lora", "drafter.backbone_lr": 1e-2,
+           "drafter.lora_rank": 4}
+
+
+def _batch(seed=0):
+    ids = torch.randint(5, 60, (2, 12), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+
+
+def test_medusa2_lora_starts_at_zero_kl_and_changes_only_adapters_and_heads(tiny_target):
+    target, _ = tiny_target
+    cfg = medusa.DrafterConfig(num_heads=2, backbone="lora", backbone_lr=1e-2, lora_rank=4)
+    ids = _batch(9)["input_ids"]
+    reference = target(ids).logits  # the target before any adapter exists
+    model = medusa.build(cfg, target)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(medusa.param_groups(model, cfg, 1e-2), weight_decay=0.01)
+    for step in range(3):
+        loss, n, metrics = medusa.compute_loss(model, target, _batch(step), {}, cfg, step=step)
+        if step == 0:  # fresh adapters are the identity (lora_B = 0): trained == original exactly
+            assert metrics["kl_loss"] == 0.0 and metrics["heads_loss"] > 0
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert any("lora_B" in n for n in changed) and any(n.startswith("heads.") for n in changed)
+    assert all("lora_" in n or n.startswith("heads.") for n in changed), changed
+    _, _, metrics = medusa.compute_loss(model, target, _batch(9), {}, cfg, step=3)
+    assert metrics["kl_loss"] > 0  # the backbone moved...
+    with model.original() as original:  # ...and the original is still there, adapters disabled
+        torch.testing.assert_close(original(ids).logits, reference, rtol=0, atol=0)
+    merged = medusa.verifier(model, target)  # the new target: adapters merged into a copy
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    torch.testing.assert_close(merged(ids).logits, model.model(ids).logits, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(merged(ids).logits, reference, atol=1e-4)
+
+
+def test_two_stage_keeps_the_backbone_fixed_during_the_heads_only_stage(tiny_target):
+    from draftsmith.train.config import Config, OptimConfig
+    from draftsmith.train.loop import make_scheduler
+
+    target, _ = tiny_target
+    cfg = medusa.DrafterConfig(num_heads=2, backbone="lora", backbone_lr=1e-2, lora_rank=4, heads_only_steps=2)
+    model = medusa.build(cfg, target)
+    opt = torch.optim.AdamW(medusa.param_groups(model, cfg, 1e-2), weight_decay=0.01)
+    sched = make_scheduler(Config(optim=OptimConfig(warmup_steps=0, schedule="constant")), opt, 4)
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    moved, kl = [], []
+    for step in range(4):
+        before = [p.detach().clone() for p in adapters]
+        loss, n, metrics = medusa.compute_loss(model, target, _batch(step), {}, cfg, step=step)
+        kl.append("kl_loss" in metrics)
+        (loss / n).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        moved.append(any(not torch.equal(a, b) for a, b in zip(adapters, before)))
+    assert moved == [False, False, True, True] and kl == [False, False, True, True]
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 1e-2]  # heads from the start, backbone from step 2
+
+
+@pytest.mark.parametrize("schedule,mid", [("constant", 1.0), ("linear", 0.5), ("sine", 2 ** -0.5)])
+def test_lambda0_ramps_up_from_the_start_of_joint_training(schedule, mid):
+    cfg = medusa.DrafterConfig(backbone="lora", backbone_lr=1e-4, lambda0=0.2, lambda0_schedule=schedule,
+                               lambda0_warmup_steps=10, heads_only_steps=4)
+    assert medusa.lambda0(cfg, 4) == pytest.approx(0.2 if schedule == "constant" else 0.0)
+    assert medusa.lambda0(cfg, 9) == pytest.approx(0.2 * mid)
+    assert medusa.lambda0(cfg, 14) == medusa.lambda0(cfg, 100) == pytest.approx(0.2)
+
+
+def test_medusa2_trains_is_verified_by_its_backbone_and_exports_it(tiny_target_dir, chat_jsonl, tmp_path):
+    from draftsmith.eval.run import evaluate
+    from draftsmith.models.export import export, import_export
+    from draftsmith.models.target import load_target
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+    from tests.test_train import _overrides, _weights
+
+    run = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **MEDUSA2, **{
+        "drafter.heads_only_steps": 2, "optim.max_steps": 6, "eval.enabled": True, "eval.num_prompts": 3,
+        "eval.max_new_tokens": 12, "eval.k": 2})))
+    log = [json.loads(l) for l in (run / "train_log.jsonl").read_text().splitlines()]
+    assert "kl_loss" not in log[1] and log[2]["kl_loss"] == 0.0 and log[-1]["kl_loss"] > 0  # joint from step 3
+    assert all("lora_" in k or k.startswith("heads.") for k in _weights(run))  # no copy of the target in final/
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["lossless"] and set(report["drift"]) == {"unchanged_fraction", "token_agreement", "original_tau"}
+    assert 0 <= report["drift"]["unchanged_fraction"] <= 1 and 0 < report["drift"]["token_agreement"] <= 1
+    assert "Backbone drift" in (run / "eval" / "report.md").read_text()
+
+    target, tok = load_target(str(tiny_target_dir))
+    out = export(run / "final", target, "vllm", tmp_path / "vllm", tok)
+    c = json.loads((out / "config.json").read_text())
+    assert c["architectures"] == ["MedusaModel"] and c["draftsmith"]["backbone"] == "backbone"
+    new_target, new_tok = load_target(str(out / "backbone"))  # a plain transformers folder, tokenizer included
+    assert not any("lora" in n for n, _ in new_target.named_parameters())
+    original, _ = load_target(str(tiny_target_dir))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(new_target.state_dict()[q], original.state_dict()[q])  # the adapters are merged in
+    # Round trip: the exported heads drafting for the exported backbone give the eval stage's τ.
+    _, _, heads = import_export(out, new_target)
+    again = evaluate(medusa.MedusaProposer(heads), "medusa", new_target, new_tok, str(chat_jsonl), None, k=2,
+                     num_prompts=3, max_new_tokens=12)
+    assert again["tau"] == report["tau"] and again["lossless"]
+
+
+def test_original_lm_head_heads_share_the_targets_and_export_one_lm_head(tiny_target, tmp_path):
+    from draftsmith.models.export import export, import_export
+
+    target, _ = tiny_target
+    cfg = medusa.DrafterConfig(num_heads=2, original_lm_head=True, fc_bias=False)
+    heads = medusa.build(cfg, target)
+    assert len(heads.lm_heads) == 0 and not any(p is target.lm_head.weight for p in heads.parameters())
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    meta = {"drafter": "medusa", "drafter_config": {"type": "medusa", **cfg.__dict__}, "target": "tiny",
+            "target_fingerprint": fingerprint(target)}
+    out = export(save_drafter(heads, tmp_path / "final", meta), target, "vllm", tmp_path / "vllm")
+    c, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    assert c["original_lm_head"] is True and c["medusa_fc_bias"] is False
+    assert sorted(state) == ["blocks.0.layers.0.weight", "blocks.1.layers.0.weight", "lm_head.weight"]
+    torch.testing.assert_close(state["lm_head.weight"], target.lm_head.weight)
+    _, _, back = import_export(out, target)
+    h = torch.randn(3, target.config.hidden_size)
+    torch.testing.assert_close(back.head_logits(h, 1), heads.head_logits(h, 1))
+
+
+def test_bad_medusa2_configs_are_one_line_errors(tiny_target_dir, chat_jsonl, tmp_path):
+    from draftsmith import DraftsmithError
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+    from tests.test_train import _overrides
+
+    with pytest.raises(DraftsmithError, match="drafter.backbone_lr: a Medusa-2 run .backbone: lora. needs"):
+        load_config(None, ["drafter.type=medusa", "drafter.backbone=lora"])
+    with pytest.raises(DraftsmithError, match="expected frozen, lora or full"):
+        load_config(None, ["drafter.type=medusa", "drafter.backbone=yes-please"])
+    cfg = load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **MEDUSA2,
+                                       **{"drafter.lora_target_modules": "q_proj,qkv_proj"}))
+    with pytest.raises(DraftsmithError, match="qkv_proj not in the target; its linear layers are down_proj, gate_proj, "
+                                              "k_proj, o_proj, q_proj, up_proj, v_proj"):
+        train(cfg)
+    assert not (tmp_path / "r" / "final").exists()

@@ -57,8 +57,15 @@ def test_train_end_to_end_writes_drafter_and_eval_report(tiny_target_dir, other_
     assert module.NAME == "eagle"
 
 
-def test_resume_after_interruption_matches_uninterrupted(tiny_target_dir, chat_jsonl, tmp_path, monkeypatch):
-    full = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "a", save_every=3)))
+# Medusa-2 trains the target through LoRA, heads only for 2 steps, then jointly: its checkpoints
+# carry the adapters, two optimizer groups and a late-starting schedule.
+MEDUSA2 = {"drafter.type": "medusa", "drafter.num_heads": 2, "drafter.backbone": "lora", "drafter.backbone_lr": 1e-2,
+           "drafter.lora_rank": 4, "drafter.heads_only_steps": 2}
+
+
+@pytest.mark.parametrize("family", [{}, MEDUSA2], ids=["eagle", "medusa2"])
+def test_resume_after_interruption_matches_uninterrupted(tiny_target_dir, chat_jsonl, tmp_path, monkeypatch, family):
+    full = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "a", save_every=3, **family)))
 
     real_save = checkpoint.save
 
@@ -68,12 +75,13 @@ def test_resume_after_interruption_matches_uninterrupted(tiny_target_dir, chat_j
 
     monkeypatch.setattr(checkpoint, "save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "b", save_every=3)))
+        train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "b", save_every=3, **family)))
     monkeypatch.setattr(checkpoint, "save", real_save)
     assert [p.name for p in checkpoint.list_steps(tmp_path / "b" / "r")] == ["step-000003"]
-    resumed = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "b", save_every=3, resume="true")))
+    resumed = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "b", save_every=3,
+                                                 resume="true", **family)))
     a, b = _weights(full), _weights(resumed)
-    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
 def test_corrupt_checkpoint_and_nan_loss_are_clear_errors(tiny_target_dir, chat_jsonl, tmp_path, monkeypatch):
@@ -88,8 +96,8 @@ def test_corrupt_checkpoint_and_nan_loss_are_clear_errors(tiny_target_dir, chat_
     real = eagle.compute_loss
     calls = {"n": 0}
 
-    def nan_at_third(*args):
-        loss, n, m = real(*args)
+    def nan_at_third(*args, **kwargs):
+        loss, n, m = real(*args, **kwargs)
         calls["n"] += 1
         return (loss * float("nan") if calls["n"] == 3 else loss), n, m
 
@@ -122,8 +130,8 @@ def test_offline_features_match_online_and_cost_4H_bytes_per_fp32_token(tiny_tar
     assert first[1] == first[2]
 
 
-@pytest.mark.parametrize("family", [{"drafter.feature_noise": 0}, {"drafter.type": "medusa", "drafter.num_heads": 2}],
-                         ids=["eagle", "medusa"])
+@pytest.mark.parametrize("family", [{"drafter.feature_noise": 0}, {"drafter.type": "medusa", "drafter.num_heads": 2},
+                                    MEDUSA2], ids=["eagle", "medusa", "medusa2"])
 def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_dir, chat_jsonl, tmp_path, family):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
     common = _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{**family, "optim.max_steps": 4})

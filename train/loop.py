@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 from tqdm import tqdm
+from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from draftsmith import DraftsmithError
@@ -31,7 +32,7 @@ from draftsmith.models.registry import drafter_module
 from draftsmith.data.regenerate import cached_regeneration
 # Imported with the loop, not at the eval stage: the eval runs the code the training run started with.
 from draftsmith.eval.report import format_table
-from draftsmith.eval.run import evaluate
+from draftsmith.eval.run import evaluate_drafter
 from draftsmith.models.target import cache_root, ensure_pad, fingerprint, load_target
 from draftsmith.train import checkpoint
 from draftsmith.train.config import Config, drafter_config, resolve_precision, save_yaml, to_dict
@@ -51,11 +52,20 @@ def micro_batches(ds, cfg: Config, world: int, rank: int, epoch: int, start: int
         yield pos, [ds[i] for i in mine]
 
 
-def make_scheduler(cfg: Config, optimizer, total_steps: int):
-    fn = SCHEDULES[cfg.optim.schedule]
-    if cfg.optim.schedule == "constant":
-        return fn(optimizer, num_warmup_steps=cfg.optim.warmup_steps)
-    return fn(optimizer, num_warmup_steps=cfg.optim.warmup_steps, num_training_steps=total_steps)
+def make_scheduler(cfg: Config, optimizer, total_steps: int) -> LambdaLR:
+    """The recipe's schedule (warmup, then cosine/linear/constant) for every param group. A group
+    with `start_step` s (Medusa-2's backbone after a heads-only stage) keeps lr 0 for s steps, then
+    runs the whole schedule, warmup included, over the steps that remain."""
+    def shape(steps: int):  # transformers' schedules are LambdaLRs: borrow the multiplier function
+        probe = torch.optim.SGD([torch.zeros(1)], lr=1.0)
+        kwargs = {} if cfg.optim.schedule == "constant" else {"num_training_steps": max(1, steps)}
+        return SCHEDULES[cfg.optim.schedule](probe, num_warmup_steps=cfg.optim.warmup_steps, **kwargs).lr_lambdas[0]
+
+    def delayed(start: int):
+        fn = shape(total_steps - start)
+        return lambda step: 0.0 if step < start else fn(step - start)
+
+    return LambdaLR(optimizer, [delayed(g.get("start_step", 0)) for g in optimizer.param_groups])
 
 
 def train(cfg: Config) -> Path:
@@ -86,7 +96,9 @@ def train(cfg: Config) -> Path:
         target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir, accelerator.device)
         ensure_pad(tok)
         fp = fingerprint(target)
-        names = module.feature_names(dcfg, target.config)  # the target tensors this family trains on
+        # The target tensors this family trains on; none for families that compute them with
+        # gradients from a backbone they train (Medusa-2).
+        names = module.feature_names(dcfg, target.config)
         train_data, cache = cfg.data.train, cfg.data.offline_features
         if cfg.data.regenerate:  # self-distillation: train on the target's own answers
             # With offline features, the pass that answers the prompts also caches their features.
@@ -95,20 +107,26 @@ def train(cfg: Config) -> Path:
                 cfg.data.regenerate_max_new_tokens, cfg.data.regenerate_batch_size, names if cache == "auto" else ())
             train_data, cache = str(train_data), regen_cache or cache
         ds = build_dataset(train_data, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc)
+        if not names:
+            cache = ""
         if cache == "auto":  # compute the cache once per (target, data, length), reuse it for every epoch and run
             dtype = str(next(target.parameters()).dtype)
             key = json.dumps([fp, train_data, cfg.data.max_length, cfg.data.max_examples, list(names), dtype])
             cache = cache_root(cfg.cache_dir) / "features" / hashlib.sha256(key.encode()).hexdigest()[:16]
             if accelerator.is_main_process and not (cache / "index.json").is_file():
                 write_cache(target, ds, names, cache, fp, tok.pad_token_id)
-    features = (FeatureCache(cache, names, fp) if cache else lambda batch: target_features(target, batch, names))
+    if cache:
+        features = FeatureCache(cache, names, fp)
+    else:
+        features = (lambda batch: target_features(target, batch, names)) if names else (lambda batch: {})
     phases["data (load target, regenerate, features)"], t_phase = time.perf_counter() - t_phase, time.perf_counter()
 
     # --- drafter, optimizer, schedule ---------------------------------------------------------
+    # A family that trains the target (Medusa-2) wraps it here: adapters injected, or a trainable copy.
     drafter = module.build(dcfg, target, ds).to(accelerator.device)
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=cfg.optim.lr,
-                                  betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
+    groups = module.param_groups(drafter, dcfg, cfg.optim.lr)  # e.g. heads and backbone at their own lrs
+    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
     per_epoch = len(ds) // (cfg.optim.batch_size * world) // cfg.optim.grad_accum
     if per_epoch == 0 and not cfg.optim.max_steps:
         raise DraftsmithError(f"{cfg.data.train}: {len(ds)} examples cannot fill one optimizer step "
@@ -130,6 +148,9 @@ def train(cfg: Config) -> Path:
         accelerator.init_trackers(cfg.run, config=_flat(to_dict(cfg)))
     print0(f"drafter {module.NAME}: {n_params / 1e6:.2f}M trainable params | {len(ds)} examples | "
            f"{total} steps | {world} process(es) | target fingerprint {fp}")
+    if len(groups) > 1:
+        print0("param groups: " + ", ".join(f"{g['name']} lr {g['lr']:g}" + (f" from step {g['start_step']}" if g.get("start_step") else "")
+                                            for g in groups))
 
     # --- the loop -------------------------------------------------------------------------------
     bar = tqdm(total=total, initial=step, disable=not accelerator.is_local_main_process, desc="train")
@@ -140,7 +161,7 @@ def train(cfg: Config) -> Path:
             batch = {k: v.to(accelerator.device) for k, v in collate(rows, tok.pad_token_id).items()}
             sync = (micro + 1) % cfg.optim.grad_accum == 0
             with accelerator.autocast(), (accelerator.no_sync(drafter) if not sync else nullcontext()):
-                loss_sum, n_tok, metrics = module.compute_loss(drafter, target, batch, features(batch), dcfg)
+                loss_sum, n_tok, metrics = module.compute_loss(drafter, target, batch, features(batch), dcfg, step=step)
                 # Normalise by the global token count of this micro-batch (all ranks): DDP averages
                 # gradients over ranks, so multiply back by world size.
                 n_global = accelerator.reduce(n_tok.float().detach(), "sum").clamp(min=1)
@@ -197,10 +218,10 @@ def train(cfg: Config) -> Path:
             target, _ = load_target(cfg.target, cfg.eval.dtype, cfg.cache_dir, accelerator.device)
         param = next(target.parameters())
         drafter = accelerator.unwrap_model(drafter).to(param.dtype).eval()
-        report = evaluate(module.make_proposer(drafter, target, dcfg), module.NAME, target, tok, cfg.data.holdout,
-                          out=run_dir / "eval", k=cfg.eval.k, num_prompts=cfg.eval.num_prompts,
-                          max_new_tokens=cfg.eval.max_new_tokens, target_name=cfg.target,
-                          temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, tree=cfg.eval.tree)
+        report = evaluate_drafter(module, drafter, dcfg, target, tok, cfg.data.holdout, out=run_dir / "eval",
+                                  k=cfg.eval.k, num_prompts=cfg.eval.num_prompts,
+                                  max_new_tokens=cfg.eval.max_new_tokens, target_name=cfg.target,
+                                  temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, tree=cfg.eval.tree)
         print0(format_table([report]))
         phases["eval"] = time.perf_counter() - t_phase
     if accelerator.is_main_process:

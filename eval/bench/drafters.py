@@ -18,6 +18,7 @@ come from the drafter's config.json (recorded by `draftsmith train`); eval peak 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import resource
 import time
@@ -26,7 +27,7 @@ from pathlib import Path
 from torch import nn
 
 from draftsmith.eval.report import format_table
-from draftsmith.eval.run import evaluate, load_drafter
+from draftsmith.eval.run import backbone_drift, evaluate, load_drafter
 from draftsmith.cli import DTYPE_HELP, dtype_arg
 from draftsmith.models.target import ensure_pad, load_target
 
@@ -76,7 +77,8 @@ def draft_flops_fraction(drafter, target) -> float:
 
 
 def draft_vocab_size(drafter, target) -> int:
-    head = getattr(drafter, "lm_head", None) or getattr(drafter, "lm_heads", [None])[0]
+    heads = getattr(drafter, "lm_heads", None)  # empty for Medusa heads sharing the target's lm_head
+    head = getattr(drafter, "lm_head", None) or (heads[0] if heads else None)
     return head.out_features if head is not None else target.config.vocab_size
 
 
@@ -115,8 +117,12 @@ def main(argv=None) -> None:
     common = dict(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, target_name=target_name)
     reports, costs = [], {}
     for name, meta in metas.items():
-        module, dcfg, drafter = load_drafter(drafters[name], target)
-        timed = TimedProposer(module.make_proposer(drafter, target, dcfg))
+        # Each drafter gets its own copy of the target: a family that trained the backbone (Medusa-2)
+        # injects its adapters into the target it is loaded on, and is verified by that backbone merged.
+        own = copy.deepcopy(target)
+        module, dcfg, drafter = load_drafter(drafters[name], own)
+        verifier = module.verifier(drafter, own)
+        timed = TimedProposer(module.make_proposer(drafter, verifier, dcfg))
         tree = tree_for(name, module.NAME, args.tree)
         runs = [dict(k=args.k), dict(tree=tree)]
         if args.temperature > 0:
@@ -124,19 +130,25 @@ def main(argv=None) -> None:
         greedy_chain_seconds = None
         for run in runs:
             before = (timed.seconds, timed.rounds, timed.steps)
-            r = evaluate(timed, name, target, tok, args.data, None, **common, **run)
+            r = evaluate(timed, name, verifier, tok, args.data, None, **common, **run)
             r["draft_ms_per_round"] = round(1e3 * (timed.seconds - before[0]) / max(timed.rounds - before[1], 1), 2)
             reports.append(r)
             if greedy_chain_seconds is None:
                 greedy_chain_seconds = (timed.seconds - before[0]) / max(timed.steps - before[2], 1)
+        heads = getattr(drafter, "heads", drafter)  # Medusa-2: the drafting part, without the backbone
         costs[name] = {
-            "params": sum(p.numel() for p in drafter.parameters()),
-            "draft_vocab": draft_vocab_size(drafter, target),
+            "params": sum(p.numel() for p in heads.parameters()),
+            "draft_vocab": draft_vocab_size(heads, target),
             "draft_ms_per_chain_step": round(1e3 * greedy_chain_seconds, 2),
-            "draft_flops_fraction": round(draft_flops_fraction(drafter, target), 4),
+            "draft_flops_fraction": round(draft_flops_fraction(heads, target), 4),
             "train_seconds": meta.get("train_seconds"), "train_steps": meta.get("steps"),
             "train_peak_rss_gb": meta.get("peak_rss_gb"),
         }
+        if verifier is not own:
+            with drafter.original() as original:
+                costs[name]["drift"] = backbone_drift(original, verifier, tok, args.data, module.make_proposer(
+                    drafter, verifier, dcfg), k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
+            print(f"{name}: backbone drift {costs[name]['drift']}")
 
     print(format_table(reports))
     print(f"\n{reports[0]['dtype']}: | drafter | draft | T | τ | draft ms/round | lossless (mismatching prompts, max logit gap) "
