@@ -352,3 +352,25 @@ def test_bad_medusa2_configs_are_one_line_errors(tiny_target_dir, chat_jsonl, tm
                                               "k_proj, o_proj, q_proj, up_proj, v_proj"):
         train(cfg)
     assert not (tmp_path / "r" / "final").exists()
+
+
+def test_medusa2_full_trains_a_copy_of_the_decoder_and_keeps_the_target_as_the_original(tiny_target):
+    target, _ = tiny_target
+    before = {n: p.detach().clone() for n, p in target.named_parameters()}
+    cfg = medusa.DrafterConfig(num_heads=2, backbone="full", backbone_lr=1e-2)
+    model = medusa.build(cfg, target)
+    opt = torch.optim.AdamW(medusa.param_groups(model, cfg, 1e-2))
+    for step in range(2):
+        loss, n, metrics = medusa.compute_loss(model, target, _batch(step), {}, cfg, step=step)
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(p, before[n]) for n, p in target.named_parameters())  # the original is untouched
+    trained = dict(model.backbone.named_parameters())
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(trained[q], before[q])
+    assert torch.equal(trained["model.embed_tokens.weight"], before["model.embed_tokens.weight"])  # frozen (tied lm_head)
+    saved = model.state_dict()
+    assert f"backbone.{q}" in saved and "backbone.model.embed_tokens.weight" not in saved
+    with model.original() as original:
+        assert original is target

@@ -149,8 +149,8 @@ def train(cfg: Config) -> Path:
     print0(f"drafter {module.NAME}: {n_params / 1e6:.2f}M trainable params | {len(ds)} examples | "
            f"{total} steps | {world} process(es) | target fingerprint {fp}")
     if len(groups) > 1:
-        print0("param groups: " + ", ".join(f"{g['name']} lr {g['lr']:g}" + (f" from step {g['start_step']}" if g.get("start_step") else "")
-                                            for g in groups))
+        print0("param groups: " + ", ".join(f"{g['name']} lr {g['initial_lr']:g}" + (f" from step {g['start_step']}" if g.get("start_step") else "")
+                                            for g in optimizer.param_groups))
 
     # --- the loop -------------------------------------------------------------------------------
     bar = tqdm(total=total, initial=step, disable=not accelerator.is_local_main_process, desc="train")
