@@ -24,7 +24,9 @@ EVAL_HELP = """examples:
 EXPORT_HELP = """examples:
   draftsmith export checkpoints/eagle-smollm2/final --format vllm --out exports/eagle-vllm
   draftsmith export checkpoints/eagle3-smollm2/final --format sglang --out exports/eagle3-sglang
-  draftsmith export checkpoints/eagle3-smollm2/final --format speculators --out exports/eagle3-spec"""
+  draftsmith export checkpoints/eagle3-smollm2/final --format speculators --out exports/eagle3-spec
+  draftsmith export checkpoints/medusa2-smollm2/final --format vllm --out exports/medusa2   (+ exports/medusa2/backbone)
+  draftsmith export checkpoints/distill-smollm2/final --format hf --out exports/distill-student"""
 
 DATA_HELP = """examples:
   draftsmith data regenerate --target smollm2-135m --data builtin:code --out data/code-regen.jsonl
@@ -161,9 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="report folder (default: next to the drafter)")
     e.set_defaults(fn=cmd_eval)
 
-    x = sub.add_parser("export", help="write a drafter in the format vLLM / SGLang / speculators load", epilog=EXPORT_HELP, formatter_class=fmt)
+    x = sub.add_parser("export", help="write a drafter in the format vLLM / SGLang / speculators / transformers load", epilog=EXPORT_HELP, formatter_class=fmt)
     x.add_argument("drafter", help="a drafter folder (…/final)")
-    x.add_argument("--format", required=True, choices=["vllm", "sglang", "speculators"])
+    x.add_argument("--format", required=True, choices=["vllm", "sglang", "speculators", "hf"])
     x.add_argument("--out", required=True)
     x.add_argument("--target", help="target to check the drafter against (default: the one it was trained for)")
     x.set_defaults(fn=cmd_export)

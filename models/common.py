@@ -79,7 +79,12 @@ def save_drafter(module: torch.nn.Module, out: Path, meta: dict) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    state, seen = {}, set()
+    for k, v in module.state_dict().items():
+        if v.data_ptr() in seen:  # tied weights (a student's lm_head = its embeddings) are stored once
+            continue
+        seen.add(v.data_ptr())
+        state[k] = v.detach().to("cpu").contiguous()
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps({"draftsmith_format": FORMAT_VERSION, **meta}, indent=2))
     if out.exists():

@@ -6,6 +6,7 @@
 | eagle3 | `sglang`      | official EAGLE-3 / SGLang / vLLM `LlamaForCausalLMEagle3`    |
 | eagle3 | `speculators` | vLLM speculators `Eagle3Speculator`                         |
 | medusa | `vllm`        | vLLM `MedusaModel` (Medusa-2: + `backbone/`, the new target) |
+| distill | `hf`         | a plain causal LM: vLLM/SGLang draft model, transformers `assistant_model` |
 
 Every export is written to a temp folder and renamed; `import_export` maps it back to a draftsmith
 drafter so tests can check that the exported head decodes exactly like the trained one.
@@ -23,7 +24,8 @@ from safetensors.torch import load_file, save_file
 from draftsmith import DraftsmithError
 from draftsmith.models.target import served_name
 
-FORMATS = {"eagle": ("vllm", "sglang"), "eagle3": ("sglang", "vllm", "speculators"), "medusa": ("vllm",)}
+FORMATS = {"eagle": ("vllm", "sglang"), "eagle3": ("sglang", "vllm", "speculators"), "medusa": ("vllm",),
+           "distill": ("hf",)}
 
 
 def _llama_dims(drafter) -> dict:
@@ -106,6 +108,10 @@ def export(drafter_dir: str | Path, target, fmt: str, out: str | Path, tok=None)
     if fmt not in allowed:
         raise DraftsmithError(f"--format {fmt}: a {module.NAME} drafter exports to {', '.join(allowed) or 'nothing yet'}")
     meta = json.loads((Path(drafter_dir) / "config.json").read_text())
+    info = {"drafter": module.NAME, "format": fmt, "target": meta["target"],
+            "target_fingerprint": meta["target_fingerprint"], "drafter_config": meta["drafter_config"]}
+    if module.NAME == "distill":
+        return _write_hf(drafter, tok, info, Path(out))
     if module.NAME == "eagle":
         config, state = _eagle1(drafter, meta)
     elif module.NAME == "medusa":
@@ -114,8 +120,7 @@ def export(drafter_dir: str | Path, target, fmt: str, out: str | Path, tok=None)
         meta = {**meta, "aux_layers": list(module.aux_layers(cfg, target.config))}
         config, state = (_eagle3_speculators(drafter, meta, target) if fmt == "speculators"
                          else _eagle3_sglang(drafter, meta))
-    config["draftsmith"] = {"drafter": module.NAME, "format": fmt, "target": meta["target"],
-                            "target_fingerprint": meta["target_fingerprint"], "drafter_config": meta["drafter_config"]}
+    config["draftsmith"] = info
     backbone = module.verifier(drafter, target)
     if backbone is not target:
         if tok is None:
@@ -141,6 +146,22 @@ def _write(config: dict, state: dict, out: Path, backbone=None) -> Path:
     return out
 
 
+def _write_hf(student, tok, info: dict, out: Path) -> Path:
+    """A plain transformers folder (weights, config, generation config, the target's tokenizer);
+    `draftsmith` in config.json records where it came from (transformers keeps unknown keys)."""
+    if tok is None:
+        raise DraftsmithError("--format hf: the export needs the target's tokenizer")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    student.config.draftsmith = info
+    student.save_pretrained(tmp)
+    del student.config.draftsmith
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    return out
+
+
 def import_export(path: str | Path, target):
     """An exported folder -> (module, drafter config, drafter) in draftsmith's own layout."""
     from draftsmith.models.registry import drafter_module
@@ -152,6 +173,12 @@ def import_export(path: str | Path, target):
         raise DraftsmithError(f"{path}/config.json: not exported by draftsmith (no 'draftsmith' section)")
     module = drafter_module(info["drafter"])
     cfg = from_dict(module.DrafterConfig, {k: v for k, v in info["drafter_config"].items() if k != "type"}, str(path))
+    if info["drafter"] == "distill":  # a plain causal LM folder
+        from transformers import AutoModelForCausalLM
+
+        param = next(target.parameters())
+        student = AutoModelForCausalLM.from_pretrained(path, dtype=param.dtype).to(param.device).eval()
+        return module, cfg, student
     if info["drafter"] == "medusa":  # exported heads are plain Medusa heads; a Medusa-2 backbone is `backbone/`
         cfg.backbone = "frozen"
     drafter = module.build(cfg, target)

@@ -36,7 +36,7 @@ from torch import nn
 from draftsmith import DraftsmithError
 from draftsmith.eval.tree import Draft
 from draftsmith.models.common import draft_vocab
-from draftsmith.train.losses import kl_divergence, soft_cross_entropy
+from draftsmith.train.losses import forward_kl, soft_cross_entropy
 
 NAME = "medusa"
 
@@ -355,7 +355,7 @@ def compute_loss(model, target, batch: dict, feats: dict, cfg: DrafterConfig, st
         n = keep.sum() if k == 0 else n
     if not joint:
         return heads_loss, n, metrics
-    kl = kl_divergence(trained, teacher, torch.ones(len(teacher), device=ids.device))
+    kl = forward_kl(trained, teacher, torch.ones(len(teacher), device=ids.device))
     metrics.update(heads_loss=heads_loss.detach(), kl_loss=kl.detach())
     return kl + lambda0(cfg, step) * heads_loss, n, metrics
 

@@ -8,12 +8,13 @@ import difflib
 from types import ModuleType
 
 from draftsmith import DraftsmithError
-from draftsmith.models import eagle, eagle3, medusa
+from draftsmith.models import distill, eagle, eagle3, medusa
 
 DRAFTERS: dict[str, ModuleType] = {
     "eagle": eagle,
     "eagle3": eagle3,
     "medusa": medusa,
+    "distill": distill,
 }
 
 # What every family module provides (checked by the registry test).

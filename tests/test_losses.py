@@ -1,13 +1,13 @@
 import torch
 
-from draftsmith.train.losses import (expected_acceptance, kl_divergence, smooth_l1_feature_loss, soft_cross_entropy,
+from draftsmith.train.losses import (expected_acceptance, forward_kl, smooth_l1_feature_loss, soft_cross_entropy,
                                      topk_distillation_loss)
 
 
 def test_identical_distributions_have_zero_divergence_and_full_acceptance():
     logits = torch.randn(7, 50)
     mask = torch.ones(7)
-    assert kl_divergence(logits, logits, mask).abs() < 1e-5
+    assert forward_kl(logits, logits, mask).abs() < 1e-5
     assert torch.allclose(expected_acceptance(logits, logits, mask), torch.tensor(7.0), atol=1e-5)
     # Soft CE of identical distributions is the teacher's entropy, its minimum over students.
     p = logits.softmax(-1)
@@ -30,7 +30,7 @@ def test_acceptance_is_one_minus_tvd_and_kl_positive():
     s, t = torch.randn(4, 30), torch.randn(4, 30)
     tvd = 0.5 * (s.softmax(-1) - t.softmax(-1)).abs().sum(-1)
     assert torch.allclose(expected_acceptance(s, t, torch.ones(4)), (1 - tvd).sum(), atol=1e-5)
-    assert kl_divergence(s, t, torch.ones(4)) > 0
+    assert forward_kl(s, t, torch.ones(4)) > 0
 
 
 def test_topk_distillation_is_soft_ce_over_the_teachers_top_k():
@@ -40,3 +40,47 @@ def test_topk_distillation_is_soft_ce_over_the_teachers_top_k():
     assert torch.allclose(topk_distillation_loss(s, t, mask, 20), full)
     part = [topk_distillation_loss(s, t, mask, k) for k in (1, 5, 10)]
     assert 0 < part[0] < part[1] < part[2] < full  # each extra token adds p(x) * -log q(x) > 0
+
+
+# --- DistillSpec divergences -----------------------------------------------------------------------
+from draftsmith.train.losses import DIVERGENCES, jensen_shannon, reverse_kl, total_variation  # noqa: E402
+
+
+def test_every_divergence_is_zero_for_identical_distributions_and_positive_otherwise():
+    torch.manual_seed(1)
+    logits, other, mask = torch.randn(5, 40), torch.randn(5, 40), torch.ones(5)
+    for name, fn in DIVERGENCES.items():
+        for temperature in (0.5, 1.0, 2.0):
+            assert fn(logits, logits, mask, temperature=temperature).abs() < 1e-5, name
+            assert fn(other, logits, mask, temperature=temperature) > 1e-3, name
+        # Masked rows count for nothing.
+        assert fn(other, logits, torch.zeros(5)) == 0, name
+
+
+def test_tvd_is_one_minus_sum_of_min_and_one_minus_expected_acceptance():
+    s, t, mask = torch.randn(6, 25), torch.randn(6, 25), torch.ones(6)
+    p, q = t.softmax(-1), s.softmax(-1)
+    assert torch.allclose(total_variation(s, t, mask), (1 - torch.minimum(p, q).sum(-1)).sum(), atol=1e-5)
+    assert torch.allclose(total_variation(s, t, mask), mask.sum() - expected_acceptance(s, t, mask), atol=1e-5)
+    assert total_variation(s, t, mask) <= 6.0
+
+
+def test_forward_and_reverse_kl_differ_on_a_hand_built_pair():
+    # Teacher bimodal over tokens 0 and 1; student sure of token 0. FKL punishes the student for
+    # missing token 1 (log 0.5/eps: large), RKL only for the mass it puts where the teacher has some.
+    teacher = torch.log(torch.tensor([[0.5, 0.5, 1e-6]]))
+    student = torch.log(torch.tensor([[0.999, 1e-3, 1e-6]]))
+    mask = torch.ones(1)
+    fkl, rkl = DIVERGENCES["fkl"](student, teacher, mask), reverse_kl(student, teacher, mask)
+    assert fkl > 2.0 and rkl < 0.7 and fkl > 3 * rkl
+    # Swapping the roles swaps the two.
+    assert torch.allclose(DIVERGENCES["fkl"](teacher, student, mask), rkl, atol=1e-5)
+
+
+def test_jsd_is_symmetric_at_half_and_bounded_by_log_2():
+    s, t, mask = torch.randn(4, 30) * 5, torch.randn(4, 30) * 5, torch.ones(4)
+    assert torch.allclose(jensen_shannon(s, t, mask), jensen_shannon(t, s, mask), atol=1e-5)
+    far = torch.tensor([[30.0, -30.0], [-30.0, 30.0]])
+    assert jensen_shannon(far[:1], far[1:], torch.ones(1)) <= torch.log(torch.tensor(2.0)) + 1e-5
+    # beta weighs the two KLs to the mixture: it differs from 0.5 for an asymmetric pair.
+    assert not torch.allclose(jensen_shannon(s, t, mask, beta=0.1), jensen_shannon(s, t, mask, beta=0.5))

@@ -235,7 +235,7 @@ def train(cfg: Config) -> Path:
 def _summarise(sums: dict, seconds: float, lr: float) -> dict:
     n = max(sums.get("tokens", 0.0), 1.0)
     out = {"loss": sums["loss"] / n, "acc": sums.get("acc", 0.0) / n, "lr": lr, "tok_per_s": sums.get("tokens", 0.0) / max(seconds, 1e-9)}
-    out.update({k: v / n for k, v in sums.items() if k.endswith("_loss")})
+    out.update({k: v / n for k, v in sums.items() if k not in ("loss", "tokens")})  # per-token means
     return out
 
 

@@ -3,6 +3,8 @@ global token count so that 1 and N processes give the same gradients."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -44,19 +46,52 @@ def topk_distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.T
     return (-(top_p * log_q.gather(-1, idx)).sum(-1) * mask).sum()
 
 
-def kl_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Forward KL(p_teacher || q_student) summed over masked rows; [N, V] logits, [N] mask.
-
-    Equals soft_cross_entropy minus the teacher entropy, so it is exactly 0 for identical logits.
-    """
-    log_p = F.log_softmax(teacher_logits.float(), dim=-1)
-    log_q = F.log_softmax(student_logits.float(), dim=-1)
-    return ((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum()
-
-
 def expected_acceptance(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum over masked rows of sum_x min(p(x), q(x)) = 1 - TVD(p, q): the probability that
     speculative sampling accepts a draft token (Leviathan et al. 2023, Corollary 3.6)."""
     p = F.softmax(teacher_logits.float(), dim=-1)
     q = F.softmax(student_logits.float(), dim=-1)
     return (torch.minimum(p, q).sum(-1) * mask).sum()
+
+
+# --- DistillSpec divergences (Zhou et al. 2024, "DistillSpec", arXiv:2310.08461) --------------------
+# Each takes student and teacher logits [N, V] over the full vocabulary and a mask [N], softens both
+# at `temperature`, and returns the sum over masked rows. All are 0 iff the distributions match.
+
+def _log_probs(student_logits, teacher_logits, temperature: float):
+    return (F.log_softmax(student_logits.float() / temperature, dim=-1),
+            F.log_softmax(teacher_logits.float() / temperature, dim=-1))
+
+
+def forward_kl(student_logits, teacher_logits, mask, temperature: float = 1.0) -> torch.Tensor:
+    """FKL = KL(p || q) = sum_x p(x) log(p(x)/q(x)), p the teacher: mass-covering (the student
+    spreads over every token the teacher might pick)."""
+    log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
+    return ((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum()
+
+
+def reverse_kl(student_logits, teacher_logits, mask, temperature: float = 1.0) -> torch.Tensor:
+    """RKL = KL(q || p): mode-seeking (the student concentrates on the teacher's likeliest tokens)."""
+    log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
+    return ((log_q.exp() * (log_q - log_p)).sum(-1) * mask).sum()
+
+
+def jensen_shannon(student_logits, teacher_logits, mask, temperature: float = 1.0, beta: float = 0.5) -> torch.Tensor:
+    """Generalized JSD(beta) = beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q
+    (DistillSpec/GKD's definition), 0 < beta < 1; beta = 0.5 is the symmetric Jensen-Shannon
+    divergence, bounded by log 2 per row."""
+    log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
+    log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
+    kl_p = (log_p.exp() * (log_p - log_m)).sum(-1)
+    kl_q = (log_q.exp() * (log_q - log_m)).sum(-1)
+    return ((beta * kl_p + (1 - beta) * kl_q) * mask).sum()
+
+
+def total_variation(student_logits, teacher_logits, mask, temperature: float = 1.0) -> torch.Tensor:
+    """TVD(p, q) = 1/2 sum_x |p(x) - q(x)| = 1 - sum_x min(p, q): exactly one minus the probability
+    that speculative sampling accepts the student's token (DistillSpec's motivation for it)."""
+    log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
+    return ((0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)) * mask).sum()
+
+
+DIVERGENCES = {"fkl": forward_kl, "rkl": reverse_kl, "jsd": jensen_shannon, "tvd": total_variation}

@@ -1,0 +1,110 @@
+"""Distilled students: truncation, the tokenizer check, chain drafting with the student's own KV
+cache, transformers' assisted generation, the loop, and the hf export."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.eval.speculative import Sampler, Stats, speculative_decode, target_decode
+from draftsmith.models import distill
+from tests.conftest import make_target, make_tokenizer
+
+
+def test_a_student_keeping_every_layer_is_the_target_and_spaced_layers_span_the_depth(tiny_target):
+    target, tok = tiny_target
+    ids = torch.tensor([tok("say 12")["input_ids"]])
+    full = distill.truncated_student(target, distill.DrafterConfig(num_layers=2))
+    torch.testing.assert_close(full(ids).logits, target(ids).logits, rtol=0, atol=0)
+    assert distill.kept_layers(distill.DrafterConfig(num_layers=4), 30) == [0, 10, 19, 29]
+    assert distill.kept_layers(distill.DrafterConfig(num_layers=3, layers="first"), 30) == [0, 1, 2]
+    one = distill.truncated_student(target, distill.DrafterConfig(num_layers=1, layers="first"))
+    assert one.config.num_hidden_layers == 1
+    torch.testing.assert_close(one.model.layers[0].mlp.up_proj.weight, target.model.layers[0].mlp.up_proj.weight)
+    with pytest.raises(DraftsmithError, match="num_layers: 3 is more than the target's 2 layers"):
+        distill.truncated_student(target, distill.DrafterConfig(num_layers=3))
+
+
+def test_a_student_equal_to_the_target_is_always_accepted_greedy_and_sampled(tiny_target):
+    target, tok = tiny_target
+    student = distill.truncated_student(target, distill.DrafterConfig(num_layers=2))
+    prompt = tok("say 7")["input_ids"]
+    stats = Stats(k=4)
+    out = speculative_decode(target, distill.StudentProposer(student), prompt, 4, 25, set(), None, stats)
+    assert out == target_decode(target, prompt, 25, set())
+    assert stats.acceptance_rate == 1.0 and stats.tau == pytest.approx(5.0, abs=0.5)  # last round is cut short
+    sampled = Stats(k=3)
+    speculative_decode(target, distill.StudentProposer(student), prompt, 3, 20, set(), Sampler(0.8, 1.0, 0), sampled)
+    assert sampled.acceptance_rate == 1.0  # q == p: min(1, p/q) = 1 for every draft token
+
+
+def test_a_truncated_student_is_lossless_and_reuses_its_cache(tiny_target):
+    target, tok = tiny_target
+    student = distill.truncated_student(target, distill.DrafterConfig(num_layers=1))
+    proposer = distill.StudentProposer(student)
+    prompt = tok("say 3")["input_ids"]
+    assert speculative_decode(target, proposer, prompt, 3, 30, set()) == target_decode(target, prompt, 30, set())
+    # The cache holds what the student was fed: the prompt, the accepted tokens and the last draft.
+    assert proposer.cache.get_seq_length() == len(proposer.fed) > len(prompt)
+
+
+def test_transformers_assisted_generation_with_the_student_equals_plain_greedy(tiny_target):
+    target, tok = tiny_target
+    student = distill.truncated_student(target, distill.DrafterConfig(num_layers=1)).eval()
+    ids = torch.tensor([tok("say 21")["input_ids"]])
+    plain = target.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assisted = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=student, pad_token_id=0)
+    assert torch.equal(plain, assisted)
+
+
+def test_a_student_with_another_tokenizer_is_rejected(tiny_target, tmp_path):
+    target, _ = tiny_target
+    tok = make_tokenizer()
+    tok.add_tokens(["<extra>"])
+    make_target(vocab=len(tok)).save_pretrained(tmp_path / "student")
+    tok.save_pretrained(tmp_path / "student")
+    with pytest.raises(DraftsmithError, match=r"tokenizer differs from the target's: token '<extra>' is id \d+ in the "
+                                              r"student and None in the target"):
+        distill.build(distill.DrafterConfig(init=str(tmp_path / "student")), target)
+
+
+def test_bad_distill_configs_fail_when_the_recipe_loads():
+    from draftsmith.train.config import load_config
+
+    with pytest.raises(DraftsmithError, match=r"drafter.divergence: unknown 'kld' \(valid: fkl, rkl, jsd, tvd\)"):
+        load_config(None, ["drafter.type=distill", "drafter.divergence=kld"])
+    with pytest.raises(DraftsmithError, match="0 < beta < 1"):
+        load_config(None, ["drafter.type=distill", "drafter.beta=1.5"])
+
+
+@pytest.mark.parametrize("divergence", ["fkl", "tvd"])
+def test_distillation_in_the_shared_loop_evaluates_and_exports_a_plain_causal_lm(tiny_target_dir, chat_jsonl, tmp_path,
+                                                                                divergence):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.models.export import export, import_export
+    from draftsmith.models.target import load_target
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+    from tests.test_train import _overrides
+
+    run = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{
+        "drafter.type": "distill", "drafter.num_layers": 1, "drafter.divergence": divergence, "optim.max_steps": 8,
+        "optim.lr": 3e-3, "eval.enabled": True, "eval.num_prompts": 2, "eval.max_new_tokens": 12, "eval.k": 3})))
+    log = [json.loads(l) for l in (run / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < log[0]["loss"] and log[-1]["accept"] > log[0]["accept"]
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["drafter"] == "distill" and report["lossless"] and report["k"] == 3
+
+    target, tok = load_target(str(tiny_target_dir))
+    out = export(run / "final", target, "hf", tmp_path / "hf", tok)
+    student = AutoModelForCausalLM.from_pretrained(out)  # what vLLM / SGLang / transformers load
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == tok.get_vocab()
+    _, _, back = import_export(out, target)
+    ids = torch.tensor([tok("say 4")["input_ids"]])
+    from draftsmith.eval.run import load_drafter
+
+    _, _, trained = load_drafter(run / "final", target)
+    torch.testing.assert_close(student(ids).logits, trained(ids).logits)
+    torch.testing.assert_close(back(ids).logits, trained(ids).logits)
