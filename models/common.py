@@ -63,6 +63,24 @@ def draft_vocab(dataset, vocab: int, size: int) -> torch.Tensor:
     return order.sort().values
 
 
+def lora_config(cfg, model: torch.nn.Module):
+    """peft LoraConfig from a family config's lora_rank / lora_alpha / lora_dropout / lora_target_modules
+    (Medusa-2's backbone, a distilled student); names that are not linear layers of `model` fail with
+    the ones that are."""
+    from peft import LoraConfig
+
+    out = model.get_output_embeddings()
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not out})
+    wanted = [n.strip() for n in cfg.lora_target_modules.split(",") if n.strip()]
+    if wanted != ["all-linear"]:
+        unknown = [n for n in wanted if n not in linear]
+        if unknown or not wanted:
+            raise DraftsmithError(f"drafter.lora_target_modules: {', '.join(unknown) or 'nothing given'} not in the "
+                                  f"model; its linear layers are {', '.join(linear)} (or use all-linear)")
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules="all-linear" if wanted == ["all-linear"] else wanted, bias="none")
+
+
 def single_group(drafter: torch.nn.Module, cfg, lr: float) -> list[dict]:
     """`param_groups` of a family that trains one module at one learning rate (optim.lr)."""
     return [{"name": "drafter", "params": [p for p in drafter.parameters() if p.requires_grad], "lr": lr}]

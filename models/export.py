@@ -111,7 +111,7 @@ def export(drafter_dir: str | Path, target, fmt: str, out: str | Path, tok=None)
     info = {"drafter": module.NAME, "format": fmt, "target": meta["target"],
             "target_fingerprint": meta["target_fingerprint"], "drafter_config": meta["drafter_config"]}
     if module.NAME == "distill":
-        return _write_hf(drafter, tok, info, Path(out))
+        return _write_hf(module.plain(drafter), tok, info, Path(out))
     if module.NAME == "eagle":
         config, state = _eagle1(drafter, meta)
     elif module.NAME == "medusa":

@@ -35,7 +35,7 @@ from torch import nn
 
 from draftsmith import DraftsmithError
 from draftsmith.eval.tree import Draft
-from draftsmith.models.common import draft_vocab
+from draftsmith.models.common import draft_vocab, lora_config
 from draftsmith.train.losses import forward_kl, soft_cross_entropy
 
 NAME = "medusa"
@@ -244,22 +244,6 @@ class Medusa2(nn.Module):
             anchor = sum(p.sum() for n, p in self.named_parameters() if p.requires_grad and not n.startswith("heads."))
             logits[0] = logits[0] + 0.0 * anchor
         return logits, trained, teacher
-
-
-def lora_config(cfg: DrafterConfig, target):
-    """peft LoraConfig; names that are not linear layers of the target fail with the ones that are."""
-    from peft import LoraConfig
-
-    out = target.get_output_embeddings()
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in target.named_modules() if isinstance(m, nn.Linear) and m is not out})
-    wanted = [n.strip() for n in cfg.lora_target_modules.split(",") if n.strip()]
-    if wanted != ["all-linear"]:
-        unknown = [n for n in wanted if n not in linear]
-        if unknown or not wanted:
-            raise DraftsmithError(f"drafter.lora_target_modules: {', '.join(unknown) or 'nothing given'} not in the "
-                                  f"target; its linear layers are {', '.join(linear)} (or use all-linear)")
-    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules="all-linear" if wanted == ["all-linear"] else wanted, bias="none")
 
 
 def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:

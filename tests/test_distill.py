@@ -108,3 +108,66 @@ def test_distillation_in_the_shared_loop_evaluates_and_exports_a_plain_causal_lm
     _, _, trained = load_drafter(run / "final", target)
     torch.testing.assert_close(student(ids).logits, trained(ids).logits)
     torch.testing.assert_close(back(ids).logits, trained(ids).logits)
+
+
+class AlwaysX(torch.nn.Module):
+    """A student that answers every prompt with token X, three times."""
+
+    X = 42
+
+    def generate(self, input_ids, max_new_tokens, **kwargs):
+        return torch.cat([input_ids, torch.full((1, 3), self.X)], dim=1)
+
+
+def test_on_policy_batches_come_from_the_student_for_a_lambda_fraction_of_rows(tiny_target):
+    from draftsmith.data.batching import collate
+
+    target, tok = tiny_target
+    examples = [{"input_ids": [5, 6, 7, 8, 9, 10][: 4 + i % 3], "loss_mask": [0, 0, 1, 1, 1, 1][: 4 + i % 3], "idx": i}
+                for i in range(4)]
+    batch = collate(examples, 0)
+    out = distill.on_policy_batch(AlwaysX(), batch, 2, 16, 1.0, target)
+    for i in range(2):  # prompt kept, answer = the student's, loss mask on exactly its tokens
+        real = out["attention_mask"][i].bool()
+        assert out["input_ids"][i][real].tolist() == [5, 6, 42, 42, 42]
+        assert out["loss_mask"][i][real].tolist() == [0, 0, 1, 1, 1]
+    for i in range(2, 4):  # the rest keep the data's answers
+        n = len(examples[i]["input_ids"])
+        assert out["input_ids"][i][:n].tolist() == examples[i]["input_ids"]
+
+
+def test_a_real_student_generates_its_own_answers_and_the_loss_uses_them(tiny_target):
+    target, tok = tiny_target
+    cfg = distill.DrafterConfig(num_layers=1, onpolicy_fraction=1.0, onpolicy_max_new_tokens=5, onpolicy_temperature=0)
+    student = distill.build(cfg, target)
+    from draftsmith.data.batching import collate
+
+    prompt = tok("say 8")["input_ids"]
+    batch = collate([{"input_ids": prompt + [7, 7, 7], "loss_mask": [0] * len(prompt) + [1, 1, 1], "idx": 0}], 0)
+    on = distill.on_policy_batch(student, batch, 1, 5, 0.0, target)
+    greedy = student.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, pad_token_id=0)[0, len(prompt):]
+    assert on["input_ids"][0, len(prompt):].tolist() == greedy.tolist()
+    loss, n, _ = distill.compute_loss(student, target, batch, {}, cfg, step=0)
+    assert n == len(greedy) and loss > 0
+
+
+def test_lora_students_train_adapters_only_and_merge_to_the_same_logits(tiny_target):
+    target, tok = tiny_target
+    cfg = distill.DrafterConfig(num_layers=1, lora_rank=4)
+    student = distill.build(cfg, target)
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-2)
+    from draftsmith.data.features import target_features
+
+    ids = torch.randint(5, 60, (2, 10))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    for _ in range(2):
+        loss, n, _ = distill.compute_loss(student, target, batch, target_features(target, batch, ("last_hidden",)), cfg)
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad()
+    changed = {n for n, p in student.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    merged = distill.plain(student)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    torch.testing.assert_close(merged(ids).logits, student(ids).logits, rtol=1e-5, atol=1e-5)

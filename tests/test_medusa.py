@@ -348,7 +348,7 @@ def test_bad_medusa2_configs_are_one_line_errors(tiny_target_dir, chat_jsonl, tm
         load_config(None, ["drafter.type=medusa", "drafter.backbone=yes-please"])
     cfg = load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **MEDUSA2,
                                        **{"drafter.lora_target_modules": "q_proj,qkv_proj"}))
-    with pytest.raises(DraftsmithError, match="qkv_proj not in the target; its linear layers are down_proj, gate_proj, "
+    with pytest.raises(DraftsmithError, match="qkv_proj not in the model; its linear layers are down_proj, gate_proj, "
                                               "k_proj, o_proj, q_proj, up_proj, v_proj"):
         train(cfg)
     assert not (tmp_path / "r" / "final").exists()
