@@ -96,3 +96,23 @@ def write_report(r: dict, out: Path) -> None:
     _plot(r, tmp / "acceptance.png")
     shutil.rmtree(out, ignore_errors=True)
     tmp.replace(out)
+
+
+def write_before_after(rows: list[tuple[str, dict]], out: Path) -> str:
+    """Domain fine-tuning: τ and speedup of the init ("before") and the fine-tuned drafter ("after")
+    on each holdout, side by side -> before_after.json / .md; returns the markdown table."""
+    table = {}
+    for when, r in rows:
+        table.setdefault(r["holdout"], {})[when] = {k: r[k] for k in ("tau", "acceptance_rate", "speedup", "lossless")}
+    lines = ["| holdout | τ before | τ after | acceptance before | after | speedup before | after | lossless |",
+             "|---|---|---|---|---|---|---|---|"]
+    for holdout, r in table.items():
+        b, a = r["before"], r["after"]
+        lines.append(f"| {holdout} | {b['tau']:.2f} | {a['tau']:.2f} | {b['acceptance_rate']:.2f} | "
+                     f"{a['acceptance_rate']:.2f} | {b['speedup']:.2f}x | {a['speedup']:.2f}x | "
+                     f"{LOSSLESS[b['lossless'] and a['lossless'] if None not in (b['lossless'], a['lossless']) else None]} |")
+    md = "\n".join(lines)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "before_after.json").write_text(json.dumps(table, indent=2))
+    (out / "before_after.md").write_text("# Before and after domain fine-tuning\n\n" + md + "\n")
+    return md

@@ -162,6 +162,55 @@ def _write_hf(student, tok, info: dict, out: Path) -> Path:
     return out
 
 
+# Exported architectures -> the family whose weights they hold (folders without draftsmith's section:
+# heads published for a target by others, in the formats the engines load).
+ARCHITECTURES = {"LlamaForCausalLMEagle3": "eagle3", "Eagle3Speculator": "eagle3", "MedusaModel": "medusa",
+                 "EagleLlamaForCausalLM": "eagle", "LlamaForCausalLMEagle": "eagle"}
+
+
+def export_family(path: str | Path) -> str:
+    """Which drafter family an exported folder holds: its `draftsmith` section, else its architecture
+    (a one-layer Llama with an `fc` is an EAGLE-1 head; any other causal LM a distilled student)."""
+    path = Path(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DraftsmithError(f"{path}/config.json: cannot read an exported drafter's config ({e})") from None
+    if "draftsmith" in config:
+        return config["draftsmith"]["drafter"]
+    arch = (config.get("architectures") or ["?"])[0]
+    if arch in ARCHITECTURES:
+        return ARCHITECTURES[arch]
+    if arch.endswith("ForCausalLM"):
+        names = load_file(path / "model.safetensors").keys() if (path / "model.safetensors").is_file() else ()
+        return "eagle" if "fc.weight" in names else "distill"
+    raise DraftsmithError(f"{path}/config.json: unknown export format (architectures {config.get('architectures')}); "
+                          f"expected one of {', '.join(ARCHITECTURES)} or a causal LM")
+
+
+def read_export(path: str | Path, family: str, target) -> dict[str, torch.Tensor]:
+    """An exported folder's weights under draftsmith's own tensor names for `family`."""
+    path = Path(path)
+    if family == "distill":  # a plain causal LM folder: transformers reads it (sharded or not)
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, dtype=next(target.parameters()).dtype).state_dict()
+    try:
+        state = load_file(path / "model.safetensors")
+    except Exception as e:  # a missing or truncated file
+        raise DraftsmithError(f"{path}/model.safetensors: cannot read weights ({e})") from None
+    if family == "medusa":
+        state.pop("lm_head.weight", None)  # original_lm_head: the target's own, not a head weight
+        # blocks.h.layers.l.weight -> the ResBlock's .linear
+        return {(k.rsplit(".", 1)[0] + ".linear." + k.rsplit(".", 1)[1]) if k.startswith("blocks.") else k: v
+                for k, v in state.items()}
+    state.pop("embed_tokens.weight", None)  # EAGLE heads use the target's embeddings
+    if family == "eagle":
+        state.pop("fc.bias", None)  # the zero bias written for SGLang
+    old, new = ("layers.0.", "layer.") if family == "eagle" else ("layers.0.", "midlayer.")
+    return {(new + k[len(old):]) if k.startswith(old) else k: v for k, v in state.items()}
+
+
 def import_export(path: str | Path, target):
     """An exported folder -> (module, drafter config, drafter) in draftsmith's own layout."""
     from draftsmith.models.registry import drafter_module
@@ -173,25 +222,49 @@ def import_export(path: str | Path, target):
         raise DraftsmithError(f"{path}/config.json: not exported by draftsmith (no 'draftsmith' section)")
     module = drafter_module(info["drafter"])
     cfg = from_dict(module.DrafterConfig, {k: v for k, v in info["drafter_config"].items() if k != "type"}, str(path))
+    param = next(target.parameters())
     if info["drafter"] == "distill":  # a plain causal LM folder
         from transformers import AutoModelForCausalLM
 
-        param = next(target.parameters())
-        student = AutoModelForCausalLM.from_pretrained(path, dtype=param.dtype).to(param.device).eval()
-        return module, cfg, student
+        return module, cfg, AutoModelForCausalLM.from_pretrained(path, dtype=param.dtype).to(param.device).eval()
     if info["drafter"] == "medusa":  # exported heads are plain Medusa heads; a Medusa-2 backbone is `backbone/`
         cfg.backbone = "frozen"
     drafter = module.build(cfg, target)
-    state = load_file(Path(path) / "model.safetensors")
-    state.pop("lm_head.weight", None) if info["drafter"] == "medusa" else None  # original_lm_head: the target's
-    state.pop("fc.bias", None) if info["drafter"] == "eagle" else None
-    state.pop("embed_tokens.weight", None)
-    renames = {("eagle", "layers.0."): "layer.", ("eagle3", "layers.0."): "midlayer."}
-    state = {next((new + k[len(old):] for (fam, old), new in renames.items()
-                   if fam == info["drafter"] and k.startswith(old)), k): v for k, v in state.items()}
-    if info["drafter"] == "medusa":  # blocks.h.layers.l.weight -> the ResBlock's .linear
-        state = {(k.rsplit(".", 1)[0] + ".linear." + k.rsplit(".", 1)[1]) if k.startswith("blocks.") else k: v
-                 for k, v in state.items()}
-    drafter.load_state_dict(state, strict=True)
-    param = next(target.parameters())
+    drafter.load_state_dict(read_export(path, info["drafter"], target), strict=True)
     return module, cfg, drafter.to(param.device, param.dtype).eval()
+
+
+def init_weights(drafter, family: str, path: str | Path, target) -> None:
+    """`init_from`: load a draftsmith drafter folder (final/) or any exported format into the freshly
+    built `drafter` of `family`, before training (domain fine-tuning). Imported buffers come along,
+    so an EAGLE-3 head keeps its draft vocabulary (d2t/t2d). Another family, another target or
+    other shapes fail with the tensor and both shapes named."""
+    from draftsmith.models.common import check_fingerprint, load_state, read_drafter_meta
+    from draftsmith.models.target import fingerprint
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise DraftsmithError(f"init_from {path}: not a drafter folder (no config.json)")
+    native = "draftsmith_format" in json.loads((path / "config.json").read_text())  # a final/ folder
+    if native:
+        meta = read_drafter_meta(path)
+        check_fingerprint(meta, fingerprint(target), f"init_from {path}")
+    found = meta["drafter"] if native else export_family(path)
+    if found != family:
+        raise DraftsmithError(f"init_from {path}: holds a {found} drafter, but this recipe trains {family}")
+    state = load_state(path) if native else read_export(path, family, target)
+    # A Medusa-2 run may start from Medusa-1 heads (the two stages as two runs).
+    dest = drafter.heads if hasattr(drafter, "heads") and not any(k.startswith("heads.") for k in state) else drafter
+    own = dest.state_dict()
+    for name, tensor in state.items():
+        if name not in own:
+            raise DraftsmithError(f"init_from {path}: tensor '{name}' has no place in a {family} drafter built from "
+                                  f"this recipe (e.g. {next(iter(own))})")
+        if own[name].shape != tensor.shape:
+            raise DraftsmithError(f"init_from {path}: tensor '{name}' is {tuple(tensor.shape)} there but "
+                                  f"{tuple(own[name].shape)} in this recipe's drafter; match the drafter keys of the init")
+    loaded = {own[k].data_ptr() for k in state}
+    missing = [k for k in own if own[k].data_ptr() not in loaded and "lora_" not in k]
+    if missing:
+        raise DraftsmithError(f"init_from {path}: no weights for {missing[:3]} of this recipe's {family} drafter")
+    dest.load_state_dict(state, strict=False)

@@ -77,6 +77,9 @@ class EvalConfig:
     """Draft tree instead of a chain, e.g. `dynamic:depth=5,top_k=8,tokens=48` (see eval/tree.py)."""
     dtype: str = "auto"
     """Target and drafter dtype in the eval stage: `auto`, `float32`/`no` or `bfloat16` (train/precision.py)."""
+    general_holdout: str = ""
+    """With `init_from` (domain fine-tuning): a second holdout, e.g. the init's own domain. The eval then
+    reports τ on both holdouts before (the init) and after fine-tuning, side by side."""
 
 
 @dataclass
@@ -85,6 +88,10 @@ class Config:
     """Hub id, local folder, `.gguf` file, or the embedded alias `smollm2-135m`."""
     drafter: dict = field(default_factory=lambda: {"type": "eagle"})
     """`type` picks a family in models/registry.py; the other keys are that family's config."""
+    init_from: str = ""
+    """Start from a trained drafter of the same family: a draftsmith `final/` folder or any format
+    `draftsmith export` writes (vLLM/SGLang EAGLE, official or speculators EAGLE-3, vLLM Medusa, a
+    plain causal LM), e.g. a head published for your target, to fine-tune it on your domain."""
     run: str = "run"
     output_dir: str = "checkpoints"
     save_every: int = 0

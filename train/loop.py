@@ -28,10 +28,11 @@ from draftsmith import DraftsmithError
 from draftsmith.data.batching import build_dataset, collate, epoch_batches
 from draftsmith.data.features import FeatureCache, target_features, write_cache
 from draftsmith.models.common import save_drafter
+from draftsmith.models.export import init_weights
 from draftsmith.models.registry import drafter_module
 from draftsmith.data.regenerate import cached_regeneration
 # Imported with the loop, not at the eval stage: the eval runs the code the training run started with.
-from draftsmith.eval.report import format_table
+from draftsmith.eval.report import format_table, write_before_after
 from draftsmith.eval.run import evaluate_drafter
 from draftsmith.models.target import cache_root, ensure_pad, fingerprint, load_target
 from draftsmith.train import checkpoint
@@ -124,6 +125,11 @@ def train(cfg: Config) -> Path:
     # --- drafter, optimizer, schedule ---------------------------------------------------------
     # A family that trains the target (Medusa-2) wraps it here: adapters injected, or a trainable copy.
     drafter = module.build(dcfg, target, ds).to(accelerator.device)
+    init_state = None
+    if cfg.init_from:  # domain fine-tuning: start from a trained drafter; kept to evaluate it "before"
+        init_weights(drafter, module.NAME, cfg.init_from, target)
+        init_state = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+        print0(f"initialised from {cfg.init_from}")
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     groups = module.param_groups(drafter, dcfg, cfg.optim.lr)  # e.g. heads and backbone at their own lrs
     optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
@@ -218,11 +224,17 @@ def train(cfg: Config) -> Path:
             target, _ = load_target(cfg.target, cfg.eval.dtype, cfg.cache_dir, accelerator.device)
         param = next(target.parameters())
         drafter = accelerator.unwrap_model(drafter).to(param.dtype).eval()
-        report = evaluate_drafter(module, drafter, dcfg, target, tok, cfg.data.holdout, out=run_dir / "eval",
-                                  k=cfg.eval.k, num_prompts=cfg.eval.num_prompts,
-                                  max_new_tokens=cfg.eval.max_new_tokens, target_name=cfg.target,
-                                  temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, tree=cfg.eval.tree)
+        kwargs = dict(k=cfg.eval.k, num_prompts=cfg.eval.num_prompts, max_new_tokens=cfg.eval.max_new_tokens,
+                      target_name=cfg.target, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, tree=cfg.eval.tree)
+        report = evaluate_drafter(module, drafter, dcfg, target, tok, cfg.data.holdout, run_dir / "eval", **kwargs)
         print0(format_table([report]))
+        if init_state is not None:  # fine-tuned: the init's τ and ours, on the domain and the general holdout
+            holdouts = [cfg.data.holdout] + [h for h in [cfg.eval.general_holdout] if h and h != cfg.data.holdout]
+            rows = [("after", report)] + [("after", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, **kwargs))
+                                          for h in holdouts[1:]]
+            drafter.load_state_dict(init_state)
+            rows += [("before", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, **kwargs)) for h in holdouts]
+            print0(write_before_after(rows, run_dir / "eval"))
         phases["eval"] = time.perf_counter() - t_phase
     if accelerator.is_main_process:
         (run_dir / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in phases.items()}, indent=1))
