@@ -54,4 +54,7 @@ def test_every_shipped_recipe_validates(recipe):
 
 def test_recipes_exist():
     names = {str(p.relative_to(ROOT / "recipes")) for p in RECIPES}
-    assert {"cpu/eagle-smollm2.yaml", "llama-3.1-8b/eagle.yaml"} <= names
+    assert {"cpu/eagle-smollm2.yaml", "llama-3.1-8b/eagle.yaml", "cpu/medusa1-smollm2.yaml", "cpu/medusa2-smollm2.yaml",
+            "vicuna-7b/medusa1.yaml", "vicuna-7b/medusa2.yaml", "llama-3.1-8b/medusa1.yaml", "llama-3.1-8b/medusa2.yaml",
+            "cpu/distill-smollm2.yaml", "cpu/domain-prose-smollm2.yaml", "llama-3.1-8b/distill-1b.yaml",
+            "qwen2.5-7b/distill-0.5b.yaml", "llama-3.1-70b/distill-3b.yaml"} <= names
