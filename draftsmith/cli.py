@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from draftsmith import DraftsmithError
+from draftsmith.train.precision import DTYPE_HELP, dtype_arg
 
 TRAIN_HELP = """examples:
   draftsmith train recipes/cpu/eagle-smollm2.yaml
@@ -34,19 +35,6 @@ DATA_HELP = """examples:
   draftsmith data corpus builtin:code --out code.jsonl"""
 
 
-DTYPE_HELP = "auto (bf16 only where the hardware runs it natively, else fp32), no/fp32/float32, bf16/bfloat16, fp16 (CUDA)"
-
-
-def dtype_arg(value: str) -> str:
-    """--dtype: any precision name train/precision.py accepts; a bad one is an argparse error."""
-    from draftsmith.train.precision import check
-
-    try:
-        return check(value, "--dtype")
-    except DraftsmithError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def cmd_train(args) -> None:
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train
@@ -56,12 +44,13 @@ def cmd_train(args) -> None:
 
 def cmd_eval(args) -> None:
     from draftsmith.eval.report import format_table
-    from draftsmith.eval.run import evaluate, evaluate_drafter, load_drafter, make_baseline
+    from draftsmith.eval.run import evaluate, evaluate_drafter, make_baseline
+    from draftsmith.models.registry import load_drafter
     from draftsmith.models.common import read_drafter_meta
     from draftsmith.models.target import ensure_pad, load_target
 
     if args.tree:
-        from draftsmith.eval.tree import parse_tree
+        from draftsmith.models.drafts import parse_tree
 
         parse_tree(args.tree)  # a bad spec fails before any model loads
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.k < 1:

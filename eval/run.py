@@ -12,33 +12,8 @@ from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.data.regenerate import eos_ids
 from draftsmith.eval.report import write_report
 from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculative_decode, target_decode, timed
-from draftsmith.eval.tree import parse_tree
-from draftsmith.models.common import check_fingerprint, load_state, read_drafter_meta
-from draftsmith.models.registry import drafter_module
-from draftsmith.models.target import fingerprint
-from draftsmith.train.config import from_dict
+from draftsmith.models.drafts import parse_tree
 from draftsmith.train.precision import hardware
-
-
-def load_drafter(path: str | Path, target):
-    """A saved draftsmith drafter -> (module, drafter config, drafter); refuses drafters trained
-    for another target."""
-    meta = read_drafter_meta(Path(path))
-    module = drafter_module(meta["drafter"], f"{path}/config.json: drafter")
-    check_fingerprint(meta, fingerprint(target), str(path))
-    cfg = from_dict(module.DrafterConfig, {k: v for k, v in meta["drafter_config"].items() if k != "type"},
-                    f"{path}/config.json: drafter_config")
-    drafter = module.rebuild(meta, target)
-    weights = load_state(Path(path))
-    missing, unexpected = drafter.load_state_dict(weights, strict=False)
-    own = drafter.state_dict()
-    loaded = {own[k].data_ptr() for k in weights if k in own}
-    missing = [k for k in missing if own[k].data_ptr() not in loaded]  # tied to a loaded weight (saved once)
-    if missing or unexpected:
-        raise DraftsmithError(f"{path}/model.safetensors: weights do not match a {meta['drafter']} drafter "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    param = next(target.parameters())
-    return module, cfg, drafter.to(param.device, param.dtype).eval()
 
 
 def make_baseline(name: str):
@@ -62,7 +37,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
              tree: str | None = None) -> dict:
     """Decode each holdout prompt target-only and speculatively; measure τ, acceptance, speed.
     proposer: a drafter's proposer (`module.make_proposer`), an NgramProposer, or None (k becomes 0).
-    tree: a tree spec (eval/tree.py) instead of a chain of k drafts; k then reports the tree depth."""
+    tree: a tree spec (models/drafts.py) instead of a chain of k drafts; k then reports the tree depth."""
     spec = parse_tree(tree) if tree else None
     if spec is not None and not hasattr(proposer, "propose_tree"):
         raise DraftsmithError(f"--tree: drafter '{name}' proposes chains only; drop --tree or use a trained drafter")

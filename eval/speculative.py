@@ -1,6 +1,6 @@
 """Speculative decoding with KV caches for target and drafter: chains or trees, greedy or sampled.
 
-One round: the drafter proposes a draft (a chain of K tokens or a tree, eval/tree.py); the target
+One round: the drafter proposes a draft (a chain of K tokens or a tree, models/drafts.py); the target
 scores [last token, draft nodes] in one forward pass with tree attention; a verify rule keeps one
 root-to-leaf path and adds one token from the target. Greedy keeps drafts equal to the target's
 argmax (output identical to target-only greedy); sampling uses the Leviathan rejection rule,
@@ -16,8 +16,9 @@ import torch
 from transformers import DynamicCache
 
 from draftsmith.data.features import target_features
-from draftsmith.eval.tree import Draft, TreeSpec, verification_inputs, verify_tree_greedy, verify_tree_sampled
-from draftsmith.models.common import crop_cache, keep_cache_positions
+from draftsmith.eval.tree import verification_inputs, verify_tree_greedy, verify_tree_sampled
+from draftsmith.models.drafts import Draft, TreeSpec
+from draftsmith.models.common import keep_cache_positions
 
 
 @dataclass

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
-from draftsmith.eval.tree import Draft, grow_tree
+from draftsmith.models.drafts import Draft, grow_tree
 
 FORMAT_VERSION = 1
 

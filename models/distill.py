@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import collate
 from draftsmith.data.features import target_features
-from draftsmith.eval.tree import Draft
+from draftsmith.models.drafts import Draft
 from draftsmith.models.common import crop_cache, frozen_target, lora_config, single_group
 from draftsmith.train.losses import DIVERGENCES, expected_acceptance
 

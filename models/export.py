@@ -101,7 +101,7 @@ def export(drafter_dir: str | Path, target, fmt: str, out: str | Path, tok=None)
     """Write `out/` in format `fmt`. A Medusa-2 drafter also writes `out/backbone/`: the trained
     backbone with its adapters merged, a plain transformers folder with the target's tokenizer (`tok`),
     which serves as the new target (vLLM `--model out/backbone`, `speculative_config.model: out`)."""
-    from draftsmith.eval.run import load_drafter
+    from draftsmith.models.registry import load_drafter
 
     module, cfg, drafter = load_drafter(drafter_dir, target)  # checks the target fingerprint
     allowed = FORMATS.get(module.NAME, ())
@@ -214,7 +214,7 @@ def read_export(path: str | Path, family: str, target) -> dict[str, torch.Tensor
 def import_export(path: str | Path, target):
     """An exported folder -> (module, drafter config, drafter) in draftsmith's own layout."""
     from draftsmith.models.registry import drafter_module
-    from draftsmith.train.config import from_dict
+    from draftsmith.train.parse import from_dict
 
     config = json.loads((Path(path) / "config.json").read_text())
     info = config.get("draftsmith")

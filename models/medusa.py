@@ -9,7 +9,7 @@ identity on h) and then its own Linear(H -> V) initialised from the target's lm_
 head k predicts token t+k+2 with the target's next-token distribution at t.
 
 All heads fire from the same hidden state in one pass: a chain takes each head's top-1, a static
-tree each head's top-k (eval/tree.py). Loss: sum_k decay^k * CE_k, against the target's own
+tree each head's top-k (models/drafts.py). Loss: sum_k decay^k * CE_k, against the target's own
 distribution at t+k+1 (soft labels: self-distilled data, whose tokens the target chose itself) or
 the hard token t+k+2 (fixed data). Tensor names follow vLLM's `MedusaModel` (models/export.py).
 
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from draftsmith import DraftsmithError
-from draftsmith.eval.tree import Draft
+from draftsmith.models.drafts import Draft
 from draftsmith.models.common import draft_vocab, lora_config
 from draftsmith.train.losses import forward_kl, soft_cross_entropy
 

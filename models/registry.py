@@ -5,10 +5,14 @@ tests/test_registry.py checks that every entry has the shared interface and that
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 from types import ModuleType
 
 from draftsmith import DraftsmithError
 from draftsmith.models import distill, eagle, eagle3, medusa
+from draftsmith.models.common import check_fingerprint, load_state, read_drafter_meta
+from draftsmith.models.target import fingerprint
+from draftsmith.train.parse import from_dict
 
 DRAFTERS: dict[str, ModuleType] = {
     "eagle": eagle,
@@ -28,3 +32,24 @@ def drafter_module(name: str, where: str = "drafter.type") -> ModuleType:
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise DraftsmithError(f"{where}: unknown drafter '{name}' (registered: {', '.join(DRAFTERS)}){hint}")
     return DRAFTERS[name]
+
+
+def load_drafter(path: str | Path, target):
+    """A saved draftsmith drafter -> (module, drafter config, drafter); refuses drafters trained
+    for another target."""
+    meta = read_drafter_meta(Path(path))
+    module = drafter_module(meta["drafter"], f"{path}/config.json: drafter")
+    check_fingerprint(meta, fingerprint(target), str(path))
+    cfg = from_dict(module.DrafterConfig, {k: v for k, v in meta["drafter_config"].items() if k != "type"},
+                    f"{path}/config.json: drafter_config")
+    drafter = module.rebuild(meta, target)
+    weights = load_state(Path(path))
+    missing, unexpected = drafter.load_state_dict(weights, strict=False)
+    own = drafter.state_dict()
+    loaded = {own[k].data_ptr() for k in weights if k in own}
+    missing = [k for k in missing if own[k].data_ptr() not in loaded]  # tied to a loaded weight (saved once)
+    if missing or unexpected:
+        raise DraftsmithError(f"{path}/model.safetensors: weights do not match a {meta['drafter']} drafter "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    param = next(target.parameters())
+    return module, cfg, drafter.to(param.device, param.dtype).eval()

@@ -103,7 +103,7 @@ def test_distillation_in_the_shared_loop_evaluates_and_exports_a_plain_causal_lm
     assert AutoTokenizer.from_pretrained(out).get_vocab() == tok.get_vocab()
     _, _, back = import_export(out, target)
     ids = torch.tensor([tok("say 4")["input_ids"]])
-    from draftsmith.eval.run import load_drafter
+    from draftsmith.models.registry import load_drafter
 
     _, _, trained = load_drafter(run / "final", target)
     torch.testing.assert_close(student(ids).logits, trained(ids).logits)

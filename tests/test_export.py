@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from draftsmith import DraftsmithError
 from draftsmith.cli import main
-from draftsmith.eval.run import load_drafter
+from draftsmith.models.registry import load_drafter
 from draftsmith.eval.speculative import Stats, speculative_greedy
 from draftsmith.models import eagle, eagle3, medusa
 from draftsmith.models.common import save_drafter

@@ -90,7 +90,8 @@ def test_bad_inits_are_one_line_errors(tiny_target, other_target_dir, tmp_path):
 
 
 def test_a_fine_tuning_run_reports_both_holdouts_before_and_after(tiny_target_dir, chat_jsonl, tmp_path):
-    from draftsmith.eval.run import evaluate_drafter, load_drafter
+    from draftsmith.eval.run import evaluate_drafter
+    from draftsmith.models.registry import load_drafter
     from draftsmith.models.target import load_target
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.eval.speculative import Stats, speculative_decode, target_decode
-from draftsmith.eval.tree import parse_tree
+from draftsmith.models.drafts import parse_tree
 from draftsmith.models import medusa
 from draftsmith.models.common import save_drafter
 from draftsmith.models.target import fingerprint

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from draftsmith.eval.tree import Draft
+from draftsmith.models.drafts import Draft
 from draftsmith.eval.speculative import NgramProposer, Stats, speculative_greedy, target_greedy
 from draftsmith.models import eagle
 

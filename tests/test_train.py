@@ -46,7 +46,7 @@ def test_train_end_to_end_writes_drafter_and_eval_report(tiny_target_dir, other_
     log = [json.loads(l) for l in (run / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < log[0]["loss"]  # it learns something even in 6 steps
     # A drafter trained for another target is refused by eval.
-    from draftsmith.eval.run import load_drafter
+    from draftsmith.models.registry import load_drafter
     from draftsmith.models.target import load_target
 
     other, _ = load_target(str(other_target_dir))

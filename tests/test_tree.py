@@ -11,7 +11,8 @@ from transformers import DynamicCache
 from draftsmith import DraftsmithError
 from draftsmith.data.features import target_features
 from draftsmith.eval.speculative import Sampler, Stats, speculative_decode, target_greedy, target_sample
-from draftsmith.eval.tree import Draft, grow_tree, parse_tree, verification_inputs
+from draftsmith.eval.tree import verification_inputs
+from draftsmith.models.drafts import Draft, grow_tree, parse_tree
 from draftsmith.models import eagle, eagle3
 from tests.test_sampling import N, PROMPT, AcceptAll, chi_square_p, peaked_target  # noqa: F401
 

@@ -1,23 +1,15 @@
-"""Typed configs: dataclass defaults < recipe YAML < `key=value` command-line overrides.
-
-Unknown keys are errors that name the key and the closest valid one (as SpecForge's
-`extra="forbid"` and torchtune's config checks do).
-"""
+"""Typed configs: dataclass defaults < recipe YAML < `key=value` command-line overrides
+(the parsing itself is train/parse.py; unknown keys are errors naming the closest valid one)."""
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from draftsmith import DraftsmithError
 from draftsmith.train import precision
+from draftsmith.train.parse import _merge, from_dict, parse_overrides, read_yaml
 
 
 @dataclass
@@ -74,7 +66,7 @@ class EvalConfig:
     """0 = greedy (token-exact lossless check); > 0 = lossless speculative sampling."""
     top_p: float = 1.0
     tree: str | None = None
-    """Draft tree instead of a chain, e.g. `dynamic:depth=5,top_k=8,tokens=48` (see eval/tree.py)."""
+    """Draft tree instead of a chain, e.g. `dynamic:depth=5,top_k=8,tokens=48` (see models/drafts.py)."""
     dtype: str = "auto"
     """Target and drafter dtype in the eval stage: `auto`, `float32`/`no` or `bfloat16` (train/precision.py)."""
     general_holdout: str = ""
@@ -116,95 +108,9 @@ class Config:
         return Path(self.output_dir) / self.run
 
 
-def _unknown_key(key: str, valid: list[str], where: str) -> DraftsmithError:
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
-    return DraftsmithError(f"{where}: unknown key '{key}'{hint}")
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check/convert one YAML value against a dataclass field type."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        tp = next(a for a in typing.get_args(tp) if a is not type(None))
-        origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise DraftsmithError(f"{where}: expected a mapping, got {value!r}")
-        return from_dict(tp, value, where)
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp is str and isinstance(value, (bool, int, float)):
-        return str(value).lower() if isinstance(value, bool) else str(value)
-    if origin is tuple and isinstance(value, (list, tuple)):
-        return tuple(float(v) for v in value)
-    check = origin or tp
-    if check is float and isinstance(value, str):
-        try:
-            return float(value)  # YAML reads `3e-4` as a string
-        except ValueError:
-            pass
-    if not isinstance(value, check) or (check is int and isinstance(value, bool)):
-        raise DraftsmithError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
-    return value
-
-
-def from_dict(cls: type, data: dict, where: str = "config") -> Any:
-    """Build dataclass `cls` from a dict; unknown keys and wrong types raise DraftsmithError."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            raise _unknown_key(key, names, where)
-        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
-    return cls(**kwargs)
-
-
-def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def parse_overrides(overrides: list[str]) -> dict:
-    """`["optim.lr=1e-4", "drafter.noise=0"]` -> nested dict; values are parsed as YAML scalars."""
-    nested: dict = {}
-    for item in overrides:
-        if "=" not in item:
-            raise DraftsmithError(f"override '{item}': expected key=value, e.g. optim.lr=1e-4")
-        key, raw = item.split("=", 1)
-        node = nested
-        *parents, leaf = key.strip().split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(raw) if raw != "" else ""
-    return nested
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def read_yaml(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise DraftsmithError(f"{path}: recipe file not found")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise DraftsmithError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise DraftsmithError(f"{path}: expected a mapping of config keys at the top level")
-    return data
-
-
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Defaults < recipe YAML < overrides. Drafter keys are validated by the drafter's own config."""
-    from draftsmith.eval.tree import parse_tree
+    from draftsmith.models.drafts import parse_tree
     from draftsmith.models.registry import drafter_module
 
     raw = read_yaml(recipe) if recipe else {}
@@ -248,7 +154,7 @@ def _validate(cfg: Config, where: str) -> None:
     for key in PRECISION_KEYS:  # names only here; `auto` is resolved on the run's device (resolve_precision)
         precision.check(_get(cfg, key), f"{where}: {key}")
     if cfg.eval.tree:
-        from draftsmith.eval.tree import parse_tree
+        from draftsmith.models.drafts import parse_tree
 
         parse_tree(cfg.eval.tree, f"{where}: eval.tree")
 
@@ -270,9 +176,3 @@ def resolve_precision(cfg: Config, device=None) -> Config:
         node = _get(cfg, ".".join(parents)) if parents else cfg
         setattr(node, leaf, precision.resolve(getattr(node, leaf), key, device))
     return cfg
-
-
-def save_yaml(data: dict, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    tmp.replace(path)

@@ -36,7 +36,8 @@ from draftsmith.eval.report import format_table, write_before_after
 from draftsmith.eval.run import evaluate_drafter
 from draftsmith.models.target import cache_root, ensure_pad, fingerprint, load_target
 from draftsmith.train import checkpoint
-from draftsmith.train.config import Config, drafter_config, resolve_precision, save_yaml, to_dict
+from draftsmith.train.config import Config, drafter_config, resolve_precision
+from draftsmith.train.parse import save_yaml, to_dict
 from draftsmith.train.precision import ACCELERATE, describe, hardware
 
 SCHEDULES = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup,

@@ -12,6 +12,8 @@ bfloat16; fp16 / float16 (CUDA only). YAML reads a bare `no` or `false` as a boo
 
 from __future__ import annotations
 
+import argparse
+
 import functools
 import os
 import platform
@@ -115,3 +117,14 @@ def describe(hw: dict) -> str:
     """One line: `AMD EPYC (cpu, 2 threads, no native bf16)`."""
     bf16 = "native bf16" if hw["native_bf16"] else "no native bf16"
     return f"{hw['device_name']} ({hw['device']}, {hw['threads']} threads, {bf16})"
+
+
+DTYPE_HELP = "auto (bf16 only where the hardware runs it natively, else fp32), no/fp32/float32, bf16/bfloat16, fp16 (CUDA)"
+
+
+def dtype_arg(value: str) -> str:
+    """--dtype (the CLI and every eval/bench script): any name `check` accepts; a bad one is an argparse error."""
+    try:
+        return check(value, "--dtype")
+    except DraftsmithError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -27,8 +27,9 @@ from pathlib import Path
 from torch import nn
 
 from draftsmith.eval.report import format_table
-from draftsmith.eval.run import backbone_drift, evaluate, load_drafter
-from draftsmith.cli import DTYPE_HELP, dtype_arg
+from draftsmith.eval.run import backbone_drift, evaluate
+from draftsmith.models.registry import load_drafter
+from draftsmith.train.precision import DTYPE_HELP, dtype_arg
 from draftsmith.models.target import ensure_pad, load_target
 
 

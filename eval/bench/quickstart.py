@@ -17,7 +17,8 @@ import resource
 from pathlib import Path
 
 from draftsmith.eval.report import format_table
-from draftsmith.eval.run import evaluate, load_drafter, make_baseline
+from draftsmith.eval.run import evaluate, make_baseline
+from draftsmith.models.registry import load_drafter
 from draftsmith.models.target import ensure_pad, load_target
 from draftsmith.train import precision
 

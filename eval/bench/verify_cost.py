@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from draftsmith.cli import dtype_arg
+from draftsmith.train.precision import dtype_arg
 from draftsmith.models.target import load_target
 
 
