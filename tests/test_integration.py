@@ -54,3 +54,21 @@ def test_shortened_quickstart(smollm, tmp_path):
     assert not (tmp_path / "cache" / "features").exists()
     log = [json.loads(l) for l in (run / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["acc"] > log[0]["acc"]
+
+
+def test_truncated_student_assists_transformers_generate_token_exactly(smollm):
+    """A 6-layer student cut from the real target drafts for transformers' own assisted generation:
+    the output is the target's plain greedy output, token for token (fp32)."""
+    import torch
+
+    from draftsmith.data.load import encode_prompt
+    from draftsmith.models import distill
+
+    target, tok, _ = smollm
+    if next(target.parameters()).dtype != torch.float32:
+        pytest.skip("token-exact comparison is for fp32")
+    student = distill.truncated_student(target, distill.DrafterConfig(num_layers=6)).eval()
+    ids = torch.tensor([encode_prompt(tok, "Write a Python function that reverses a list.")])
+    plain = target.generate(ids, max_new_tokens=40, do_sample=False)
+    assisted = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=student)
+    assert torch.equal(plain, assisted)
