@@ -63,7 +63,10 @@ MEDUSA2 = {"drafter.type": "medusa", "drafter.num_heads": 2, "drafter.backbone":
            "drafter.lora_rank": 4, "drafter.heads_only_steps": 2}
 
 
-@pytest.mark.parametrize("family", [{}, MEDUSA2], ids=["eagle", "medusa2"])
+DISTILL = {"drafter.type": "distill", "drafter.num_layers": 1}
+
+
+@pytest.mark.parametrize("family", [{}, MEDUSA2, DISTILL], ids=["eagle", "medusa2", "distill"])
 def test_resume_after_interruption_matches_uninterrupted(tiny_target_dir, chat_jsonl, tmp_path, monkeypatch, family):
     full = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "a", save_every=3, **family)))
 
@@ -131,7 +134,7 @@ def test_offline_features_match_online_and_cost_4H_bytes_per_fp32_token(tiny_tar
 
 
 @pytest.mark.parametrize("family", [{"drafter.feature_noise": 0}, {"drafter.type": "medusa", "drafter.num_heads": 2},
-                                    MEDUSA2], ids=["eagle", "medusa", "medusa2"])
+                                    MEDUSA2, DISTILL], ids=["eagle", "medusa", "medusa2", "distill"])
 def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_dir, chat_jsonl, tmp_path, family):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
     common = _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{**family, "optim.max_steps": 4})
