@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import collate
-from draftsmith.data.features import target_features
+from draftsmith.data.features import target_features, unpack_topk
 from draftsmith.models.drafts import Draft
 from draftsmith.models.common import crop_cache, frozen_target, lora_config, single_group
 from draftsmith.train.losses import DIVERGENCES, expected_acceptance
@@ -48,6 +48,10 @@ class DrafterConfig:
     """Both distributions are softened at this temperature before the divergence."""
     beta: float = 0.5
     """JSD(beta) mixture weight, 0 < beta < 1."""
+    offline_topk: int = 0
+    """0: the teacher is the target's lm_head over its last hidden state (exact; H numbers per token
+    to cache). K: the target's top-K logits + the log-sum-exp of all (2K+1 fp32 numbers per token),
+    and the divergence runs over K+1 classes: the top-K tokens and "any other" (temperature 1 only)."""
     # --- data the student learns on (DistillSpec section 4: fixed, target-generated, on-policy) -----
     onpolicy_fraction: float = 0.0
     """lambda in [0, 1]: on an on-policy step, this fraction of each batch's examples get their answer
@@ -73,6 +77,9 @@ class DrafterConfig:
         if self.num_layers < 1 or self.temperature <= 0 or not 0 < self.beta < 1:
             raise DraftsmithError(f"drafter: expected num_layers >= 1, temperature > 0 and 0 < beta < 1, got "
                                   f"{self.num_layers}, {self.temperature}, {self.beta}")
+        if self.offline_topk < 0 or (self.offline_topk and self.temperature != 1.0):
+            raise DraftsmithError("drafter.offline_topk: expected K >= 0, with temperature 1.0 (the cached "
+                                  "log-sum-exp is the temperature-1 one)")
         if not 0 <= self.onpolicy_fraction <= 1:
             raise DraftsmithError(f"drafter.onpolicy_fraction: expected a fraction in [0, 1], got {self.onpolicy_fraction}")
         if self.onpolicy_every < 1 or self.onpolicy_max_new_tokens < 1 or self.onpolicy_temperature < 0 or self.lora_rank < 0:
@@ -81,7 +88,8 @@ class DrafterConfig:
 
 
 def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
-    return ("last_hidden",)  # the target's lm_head input: its logits, H numbers per token to cache
+    # The target's lm_head input (its exact logits, H numbers per token), or its top-K logits.
+    return (f"logits_topk.{cfg.offline_topk}",) if cfg.offline_topk else ("last_hidden",)
 
 
 def max_draft_depth(cfg: DrafterConfig) -> int | None:
@@ -202,13 +210,15 @@ def compute_loss(student, target, batch: dict, feats: dict, cfg: DrafterConfig, 
         batch = on_policy_batch(core, batch, round(cfg.onpolicy_fraction * len(batch["input_ids"])),
                                 cfg.onpolicy_max_new_tokens, cfg.onpolicy_temperature, target)
         with torch.no_grad():
-            feats = target_features(target, batch, ("last_hidden",))
+            feats = target_features(target, batch, feature_names(cfg, target.config))
     ids, lmask = batch["input_ids"], batch["loss_mask"].bool()
     rows = lmask[:, 1:].nonzero(as_tuple=True)
-    with torch.no_grad():
-        last = feats["last_hidden"]
-        teacher = target.get_output_embeddings()(last[rows].to(target.dtype)).float()
     logits = student(input_ids=ids, attention_mask=batch.get("attention_mask")).logits[rows]
+    if cfg.offline_topk:  # K+1 classes for both; the student's keep their gradient
+        teacher, logits = topk_classes(feats[f"logits_topk.{cfg.offline_topk}"][rows], logits)
+    else:
+        with torch.no_grad():
+            teacher = target.get_output_embeddings()(feats["last_hidden"][rows].to(target.dtype)).float()
     mask = torch.ones(len(teacher), device=ids.device)
     kwargs = {"beta": cfg.beta} if cfg.divergence == "jsd" else {}
     loss = DIVERGENCES[cfg.divergence](logits, teacher, mask, temperature=cfg.temperature, **kwargs)
@@ -217,6 +227,21 @@ def compute_loss(student, target, batch: dict, feats: dict, cfg: DrafterConfig, 
                    # 1 - TVD at temperature 1: the expected acceptance of a sampled draft token
                    "accept": expected_acceptance(logits.detach(), teacher, mask)}
     return loss, mask.sum(), metrics
+
+
+def topk_classes(packed: torch.Tensor, student_logits: torch.Tensor):
+    """Teacher top-K (packed [N, 2K+1], data/features.py) and student logits [N, V] -> log-probs over
+    K+1 classes, the teacher's top-K tokens and "any other token", for both (log-probs are valid
+    logits: softmax returns the probabilities). Exact when the rest's mass is 0 (K = V)."""
+    values, ids, lse = unpack_topk(packed)
+    log_p = values.float() - lse.float()
+    log_q = torch.log_softmax(student_logits.float(), dim=-1).gather(-1, ids)
+
+    def with_rest(lp):  # log(1 - sum p), kept finite where the top-K hold all the mass
+        rest = (1 - lp.exp().sum(-1, keepdim=True)).clamp(min=1e-12).log()
+        return torch.cat([lp, rest], dim=-1)
+
+    return with_rest(log_p), with_rest(log_q)
 
 
 @torch.no_grad()

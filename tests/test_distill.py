@@ -171,3 +171,31 @@ def test_lora_students_train_adapters_only_and_merge_to_the_same_logits(tiny_tar
     merged = distill.plain(student)
     assert not any("lora" in n for n, _ in merged.named_parameters())
     torch.testing.assert_close(merged(ids).logits, student(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_offline_top_k_logits_cost_2k_plus_1_floats_and_match_the_full_loss_when_k_is_the_vocabulary(tiny_target):
+    from draftsmith.data.features import target_features, topk_logits, unpack_topk
+
+    target, _ = tiny_target
+    V = target.config.vocab_size
+    ids = torch.randint(5, 60, (2, 10))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    feats = target_features(target, batch, ("last_hidden", "logits_topk.8", f"logits_topk.{V}"))
+    assert feats["logits_topk.8"].shape == (2, 10, 17) and feats["logits_topk.8"].dtype == torch.float32  # 68 B/token
+    values, top, lse = unpack_topk(feats["logits_topk.8"])
+    logits = target(ids).logits
+    torch.testing.assert_close(values, logits.topk(8).values)
+    torch.testing.assert_close(lse[..., 0], logits.logsumexp(-1))
+    assert torch.equal(top, logits.topk(8).indices)
+    student = distill.build(distill.DrafterConfig(num_layers=1), target)
+    full_feats = {"last_hidden": feats["last_hidden"]}
+    for div in ("fkl", "tvd"):
+        exact, _, _ = distill.compute_loss(student, target, batch, full_feats, distill.DrafterConfig(divergence=div))
+        as_topk, _, _ = distill.compute_loss(student, target, batch, {f"logits_topk.{V}": feats[f"logits_topk.{V}"]},
+                                             distill.DrafterConfig(divergence=div, offline_topk=V))
+        torch.testing.assert_close(as_topk, exact, rtol=1e-4, atol=1e-4)
+    cut, _, _ = distill.compute_loss(student, target, batch, {"logits_topk.8": feats["logits_topk.8"]},
+                                     distill.DrafterConfig(offline_topk=8))
+    cut.backward()  # the student learns through the K+1 classes
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
+    assert topk_logits(torch.zeros(3, V), 4).shape == (3, 9)
