@@ -5,7 +5,8 @@ the target's p. Speculative sampling accepts a draft token with probability sum_
 
 The student comes from (`init`):
 - `truncate` (default): the target's own embeddings, final norm, lm_head and `num_layers` of its
-  decoder layers (the first N, or N evenly spaced ones), so it starts close to the target;
+  decoder layers (the first N, or N evenly spaced ones), so it starts close to the target; with
+  `intermediate_size`, a narrower student (fresh MLPs, everything else the target's);
 - a folder or hub id of a smaller model with the *same tokenizer* (checked token by token).
 
 The student is served as a plain causal LM (vLLM `draft_model`, SGLang STANDALONE, transformers
@@ -42,6 +43,9 @@ class DrafterConfig:
     """truncate: decoder layers the student keeps."""
     layers: str = "spaced"
     """truncate: `spaced` (N evenly spaced layers, the first and last included) or `first` (layers 0..N-1)."""
+    intermediate_size: int = 0
+    """truncate: 0 = the target's MLP width; N = a narrower student whose MLPs start fresh (random) while
+    embeddings, norms, attention and lm_head are the target's."""
     divergence: str = "fkl"
     """fkl, rkl, jsd or tvd (train/losses.py), over the full vocabulary at every trained position."""
     temperature: float = 1.0
@@ -74,7 +78,7 @@ class DrafterConfig:
             raise DraftsmithError(f"drafter.divergence: unknown '{self.divergence}' (valid: {', '.join(DIVERGENCES)})")
         if self.layers not in ("spaced", "first"):
             raise DraftsmithError(f"drafter.layers: expected spaced or first, got {self.layers!r}")
-        if self.num_layers < 1 or self.temperature <= 0 or not 0 < self.beta < 1:
+        if self.num_layers < 1 or self.intermediate_size < 0 or self.temperature <= 0 or not 0 < self.beta < 1:
             raise DraftsmithError(f"drafter: expected num_layers >= 1, temperature > 0 and 0 < beta < 1, got "
                                   f"{self.num_layers}, {self.temperature}, {self.beta}")
         if self.offline_topk < 0 or (self.offline_topk and self.temperature != 1.0):
@@ -111,6 +115,7 @@ def truncated_student(target, cfg: DrafterConfig):
     keep = kept_layers(cfg, target.config.num_hidden_layers)
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = len(keep)
+    config.intermediate_size = cfg.intermediate_size or config.intermediate_size
     if getattr(config, "layer_types", None):  # per-layer attention kinds (sliding/full) follow their layers
         config.layer_types = [config.layer_types[i] for i in keep]
     student = type(target)(config).to(next(target.parameters()).dtype)
@@ -123,7 +128,9 @@ def truncated_student(target, cfg: DrafterConfig):
                 continue
             parts[at] = str(keep.index(int(parts[at])))
         state[".".join(parts)] = tensor
-    student.load_state_dict(state, strict=True)
+    own = student.state_dict()
+    narrower = [k for k in state if own[k].shape != state[k].shape]  # MLP weights of a narrower student
+    student.load_state_dict({k: v for k, v in state.items() if k not in narrower}, strict=not narrower)
     return student
 
 

@@ -199,3 +199,13 @@ def test_offline_top_k_logits_cost_2k_plus_1_floats_and_match_the_full_loss_when
     cut.backward()  # the student learns through the K+1 classes
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
     assert topk_logits(torch.zeros(3, V), 4).shape == (3, 9)
+
+
+def test_a_narrower_student_keeps_the_targets_embeddings_and_attention(tiny_target):
+    target, tok = tiny_target
+    student = distill.truncated_student(target, distill.DrafterConfig(num_layers=1, layers="first", intermediate_size=16))
+    assert student.config.intermediate_size == 16 and student.model.layers[0].mlp.up_proj.weight.shape == (16, 32)
+    assert torch.equal(student.model.embed_tokens.weight, target.model.embed_tokens.weight)
+    assert torch.equal(student.model.layers[0].self_attn.q_proj.weight, target.model.layers[0].self_attn.q_proj.weight)
+    ids = torch.tensor([tok("say 1")["input_ids"]])
+    assert student(ids).logits.shape == target(ids).logits.shape
