@@ -1,30 +1,36 @@
 #!/usr/bin/env bash
 # One launcher for every scale. Wraps `accelerate launch`; the training code is the same everywhere.
 #
-#   ./launch.sh RECIPE.yaml [key=value ...]                      one process (CPU or one GPU)
-#   ./launch.sh RECIPE.yaml --gpus 8 [key=value ...]             DDP on 8 local GPUs (NCCL)
-#   ./launch.sh RECIPE.yaml --cpu-procs 2 [key=value ...]        2 CPU processes over gloo
-#   ./launch.sh RECIPE.yaml --gpus 8 --nodes 2 --node-rank 0 --main-addr 10.0.0.1   multi-node
-#   ./launch.sh RECIPE.yaml --accelerate-config recipes/accelerate/multi-gpu.yaml
+#   ./launch.sh RECIPE.yaml [key=value ...]                              one process (CPU or one GPU)
+#   ./launch.sh RECIPE.yaml --gpus 8 [key=value ...]                     DDP on 8 local GPUs (NCCL)
+#   ./launch.sh RECIPE.yaml --preset zero2 --gpus 8                      a preset from recipes/accelerate/
+#   ./launch.sh RECIPE.yaml --cpu-procs 2 [key=value ...]                2 CPU processes over gloo
+#   ./launch.sh RECIPE.yaml --gpus 8 --nodes 2 --node-rank 0 --main-addr 10.0.0.1   multi-node, per node
+#   srun --nodes 2 --ntasks-per-node 1 ./launch.sh RECIPE.yaml --preset multi-node   SLURM (reads SLURM_*)
+#   ./launch.sh ... --dry-run                                            print the command, run nothing
 #
-# On SLURM, run one `./launch.sh ... --nodes $SLURM_NNODES --node-rank $SLURM_NODEID --main-addr $MASTER` per node.
+# Presets: single-gpu multi-gpu multi-node zero2 zero3 zero3-offload fsdp cpu-2proc (recipes/accelerate/).
 set -euo pipefail
 
-usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+here=$(cd "$(dirname "$0")" && pwd)
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 [ $# -ge 1 ] || usage 2
 case "$1" in -h|--help) usage 0 ;; esac
 
 recipe=$1; shift
-gpus=0; cpu_procs=0; nodes=1; node_rank=0; main_addr=127.0.0.1; main_port=29500; acc_config=""; overrides=()
+gpus=0; cpu_procs=0; nodes=1; node_rank=0; main_addr=127.0.0.1; main_port=29500; acc_config=""; preset=""
+dry_run=0; overrides=(); set_nodes=0; set_rank=0; set_addr=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpus) gpus=$2; shift 2 ;;
     --cpu-procs) cpu_procs=$2; shift 2 ;;
-    --nodes) nodes=$2; shift 2 ;;
-    --node-rank) node_rank=$2; shift 2 ;;
-    --main-addr) main_addr=$2; shift 2 ;;
+    --nodes) nodes=$2; set_nodes=1; shift 2 ;;
+    --node-rank) node_rank=$2; set_rank=1; shift 2 ;;
+    --main-addr) main_addr=$2; set_addr=1; shift 2 ;;
     --main-port) main_port=$2; shift 2 ;;
+    --preset) preset=$2; shift 2 ;;
     --accelerate-config) acc_config=$2; shift 2 ;;
+    --dry-run) dry_run=1; shift ;;
     -h|--help) usage 0 ;;
     --*) echo "launch.sh: error: unknown option $1" >&2; exit 2 ;;
     *) overrides+=("$1"); shift ;;
@@ -32,10 +38,33 @@ while [ $# -gt 0 ]; do
 done
 [ -f "$recipe" ] || { echo "launch.sh: error: recipe $recipe not found" >&2; exit 2; }
 
+if [ -n "$preset" ]; then
+  acc_config="$here/recipes/accelerate/$preset.yaml"
+  if [ ! -f "$acc_config" ]; then
+    valid=$(cd "$here/recipes/accelerate" && ls *.yaml | sed 's/\.yaml$//' | tr '\n' ' ')
+    echo "launch.sh: error: unknown preset '$preset' (valid: ${valid% })" >&2; exit 2
+  fi
+fi
+
+# Under SLURM (srun/sbatch), one launcher per node: nodes, this node's rank, the first node as the
+# rendezvous host and the GPUs per node come from SLURM_* unless given as flags.
+if [ -n "${SLURM_JOB_ID:-}" ]; then
+  [ "$set_nodes" = 1 ] || nodes=${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-1}}
+  [ "$set_rank" = 1 ] || node_rank=${SLURM_NODEID:-0}
+  if [ "$set_addr" = 0 ]; then
+    if [ -n "${MASTER_ADDR:-}" ]; then main_addr=$MASTER_ADDR
+    elif command -v scontrol >/dev/null && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+      main_addr=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    fi
+  fi
+  if [ "$gpus" = 0 ] && [ -n "${SLURM_GPUS_ON_NODE:-}" ]; then gpus=$SLURM_GPUS_ON_NODE; fi
+fi
+
 args=(--num_machines "$nodes" --machine_rank "$node_rank" --main_process_ip "$main_addr" --main_process_port "$main_port" --dynamo_backend no)
 if [ -n "$acc_config" ]; then
   args=(--config_file "$acc_config" "${args[@]}")
-  [ "$gpus" -gt 0 ] && args+=(--num_processes $((gpus * nodes)))
+  if [ "$gpus" -gt 0 ]; then args+=(--num_processes $((gpus * nodes)))
+  elif [ "$cpu_procs" -gt 0 ]; then args+=(--num_processes "$cpu_procs"); fi
 elif [ "$gpus" -gt 0 ]; then
   args+=(--multi_gpu --num_processes $((gpus * nodes)))
 elif [ "$cpu_procs" -gt 1 ]; then
@@ -46,4 +75,9 @@ elif [ "$cpu_procs" -gt 1 ]; then
 else
   args+=(--num_processes 1)
 fi
-exec accelerate launch "${args[@]}" -m draftsmith.cli train "$recipe" "${overrides[@]}"
+cmd=(accelerate launch "${args[@]}" -m draftsmith.cli train "$recipe" "${overrides[@]}")
+if [ "$dry_run" = 1 ]; then
+  printf '%q ' "${cmd[@]}"; echo
+  exit 0
+fi
+exec "${cmd[@]}"
