@@ -29,6 +29,10 @@ EXPORT_HELP = """examples:
   draftsmith export checkpoints/medusa2-smollm2/final --format vllm --out exports/medusa2   (+ exports/medusa2/backbone)
   draftsmith export checkpoints/distill-smollm2/final --format hf --out exports/distill-student"""
 
+PLAN_HELP = """examples:
+  draftsmith plan recipes/llama-3.1-8b/eagle3.yaml --gpus 8
+  draftsmith plan recipes/llama-3.1-8b/medusa2.yaml --gpus 8 --nodes 2 --preset zero3 --gpu-memory 40"""
+
 DATA_HELP = """examples:
   draftsmith data regenerate --target smollm2-135m --data builtin:code --out data/code-regen.jsonl
   draftsmith data features recipes/cpu/eagle-smollm2.yaml --out features/smollm2-code
@@ -114,6 +118,15 @@ def cmd_features(args) -> None:
     print(f"wrote {out} ({len(ds)} examples); train with data.offline_features={out}")
 
 
+def cmd_plan(args) -> None:
+    from draftsmith.train.config import load_config
+    from draftsmith.train.plan import plan
+
+    if args.gpus < 1 or args.nodes < 1:
+        raise DraftsmithError("plan: expected --gpus >= 1 and --nodes >= 1")
+    print(plan(load_config(args.recipe, args.overrides), args.gpus, args.nodes, args.preset, args.gpu_memory))
+
+
 def cmd_corpus(args) -> None:
     import json
 
@@ -158,6 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True)
     x.add_argument("--target", help="target to check the drafter against (default: the one it was trained for)")
     x.set_defaults(fn=cmd_export)
+
+    pl = sub.add_parser("plan", help="per-rank GPU memory of a recipe under each launch preset (no weights loaded)",
+                        epilog=PLAN_HELP, formatter_class=fmt)
+    pl.add_argument("recipe")
+    pl.add_argument("overrides", nargs="*", help="key=value overrides, as for train")
+    pl.add_argument("--gpus", type=int, default=1, help="GPUs per node")
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--preset", help="one preset only (default: all)")
+    pl.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU, for the `fits` column")
+    pl.set_defaults(fn=cmd_plan)
 
     d = sub.add_parser("data", help="prepare data: regenerate answers, cache features, dump the built-in corpus", epilog=DATA_HELP, formatter_class=fmt)
     dsub = d.add_subparsers(dest="data_command", required=True)

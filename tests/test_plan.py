@@ -1,0 +1,54 @@
+"""The memory planner: exact weight / gradient / optimizer bytes against real tensors, preset
+sharding, and its CLI."""
+
+import pytest
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.cli import main
+from draftsmith.train.config import drafter_config, load_config
+from draftsmith.train.plan import per_rank, plan, sizes, target_config
+
+
+@pytest.mark.parametrize("family", [["drafter.type=eagle3", "drafter.aux_layers=[0,1,1]", "drafter.draft_vocab_size=40"],
+                                    ["drafter.type=medusa", "drafter.num_heads=2", "drafter.backbone=lora",
+                                     "drafter.backbone_lr=1e-3", "drafter.lora_rank=4", "eval.k=2"],
+                                    ["drafter.type=distill", "drafter.num_layers=1"]], ids=["eagle3", "medusa2", "distill"])
+def test_weights_gradients_and_optimizer_bytes_equal_real_tensors_after_a_step(tiny_target_dir, tiny_target, family):
+    from draftsmith.models.registry import drafter_module
+
+    cfg = load_config(None, [f"target={tiny_target_dir}", "target_dtype=float32", *family])
+    planned = per_rank(sizes(cfg, target_config(cfg.target)), "multi-gpu", 1, 4)
+    target, _ = tiny_target
+    module = drafter_module(cfg.drafter["type"])
+    drafter = module.build(drafter_config(cfg), target)
+    target_ids = {id(p) for p in target.parameters()}
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable)
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    assert planned["target weights"] == nbytes(target.parameters())
+    assert planned["drafter weights"] == nbytes(p for p in drafter.parameters() if id(p) not in target_ids)
+    assert planned["gradients"] == nbytes(p.grad for p in trainable)
+    assert planned["optimizer"] == nbytes(v for st in opt.state.values() for k, v in st.items() if k != "step")
+
+
+def test_presets_shard_what_they_say_and_the_table_says_what_fits(tiny_target_dir):
+    cfg = load_config(None, [f"target={tiny_target_dir}", "drafter.type=medusa", "drafter.num_heads=2", "eval.k=2"])
+    s = sizes(cfg, target_config(cfg.target))
+    ddp, z2, z3, off = (per_rank(s, p, 8, 2) for p in ("multi-gpu", "zero2", "zero3", "zero3-offload"))
+    assert z2["drafter weights"] == ddp["drafter weights"] and z2["optimizer"] == ddp["optimizer"] / 8
+    assert z3["drafter weights"] == ddp["drafter weights"] / 8 and off["optimizer"] == 0
+    assert all(r["target weights"] == ddp["target weights"] for r in (z2, z3, off))  # the target is not sharded
+    table = plan(cfg, gpus=8, gpu_memory_gib=1e-6)
+    assert "| zero3 |" in table and table.rstrip().endswith("| no |")
+    with pytest.raises(DraftsmithError, match="unknown .valid: single-gpu"):
+        plan(cfg, gpus=8, preset="zero4")
+
+
+def test_plan_cli_prints_known_targets_offline(capsys):
+    assert main(["plan", "recipes/llama-3.1-8b/eagle3.yaml", "--gpus", "8", "--preset", "zero2"]) == 0
+    out = capsys.readouterr().out
+    assert "target 8.03B params" in out and "| zero2 |" in out and "bytes/token" in out

@@ -1,0 +1,138 @@
+"""`draftsmith plan RECIPE --gpus N`: per-rank memory of a recipe under each launch preset, from the
+target's and the drafter's configs alone (both are built on the meta device: no weights loaded).
+
+Assumptions, stated once: the target is held in its training dtype (bf16 on GPUs that run it; the
+recipe's `target_dtype` when explicit) and is a full copy on every rank in every preset (draftsmith
+does not shard the frozen target yet). Trainable weights are fp32 with bf16 autocast (accelerate),
+AdamW keeps two fp32 moments, gradients are fp32. Activations are an estimate: per decoder layer and
+token 2*(10 H + 4 I) bytes kept for backward (bf16, flash attention; after Korthikanti et al. 2022),
+plus the loss's fp32 logits (x3: logits, probabilities, their gradient) and the teacher's fp32
+distribution where the family reads one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+from draftsmith import DraftsmithError
+from draftsmith.models.registry import drafter_module
+from draftsmith.models.target import resolve_target
+from draftsmith.train.config import Config, drafter_config
+
+# Configs of common targets, so a plan needs no hub access (what their config.json says).
+KNOWN_TARGETS = {
+    "meta-llama/Llama-3.1-8B-Instruct": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                             num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+    "meta-llama/Llama-3.1-70B-Instruct": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                              num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
+    "lmsys/vicuna-7b-v1.3": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
+}
+# Which of (drafter weights, gradients, optimizer state) each preset shards over the ranks, and
+# which it moves to CPU RAM.
+PRESETS = {
+    "single-gpu": {"shard": (), "offload": ()},
+    "multi-gpu": {"shard": (), "offload": ()},
+    "multi-node": {"shard": (), "offload": ()},
+    "zero2": {"shard": ("grads", "optimizer"), "offload": ()},
+    "zero3": {"shard": ("weights", "grads", "optimizer"), "offload": ()},
+    "zero3-offload": {"shard": ("weights", "grads", "optimizer"), "offload": ("weights", "optimizer")},
+    "fsdp": {"shard": ("weights", "grads", "optimizer"), "offload": ()},
+}
+GiB = 2**30
+
+
+def target_config(name: str, cache_dir: str = ""):
+    if name in KNOWN_TARGETS:
+        return LlamaConfig(**KNOWN_TARGETS[name], tie_word_embeddings=False)
+    try:
+        return AutoConfig.from_pretrained(resolve_target(name, cache_dir))
+    except OSError as e:
+        raise DraftsmithError(f"plan: cannot read the config of target '{name}' ({str(e).splitlines()[0]}); "
+                              f"known offline: {', '.join(KNOWN_TARGETS)}") from None
+
+
+@dataclass
+class Sizes:
+    target_params: int
+    drafter_params: int  # the drafter's own (not the target's, which a LoRA backbone shares)
+    trainable_params: int
+    activation_bytes: int
+    feature_bytes_per_token: int
+
+
+def sizes(cfg: Config, tc) -> Sizes:
+    module, dcfg = drafter_module(cfg.drafter["type"]), drafter_config(cfg)
+    with torch.device("meta"):
+        target = AutoModelForCausalLM.from_config(tc).requires_grad_(False)
+        drafter = module.build(dcfg, target)
+    target_ids = {id(p) for p in target.parameters()}
+    own = [p for p in drafter.parameters() if id(p) not in target_ids]
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    b_t = 4 if cfg.target_dtype in ("float32", "no", "fp32") else 2
+    H, I, V = tc.hidden_size, tc.intermediate_size, tc.vocab_size
+    n = cfg.optim.batch_size * cfg.data.max_length  # tokens per micro-batch per rank
+    names = module.feature_names(dcfg, tc)
+    feat_dims = sum(int(x.split(".")[1]) * 2 + 1 if x.startswith("logits_topk.") else H for x in names)
+    layer = 2 * (10 * H + 4 * I)  # bytes per token per decoder layer kept for backward
+    d = dcfg.__dict__
+    if module.NAME in ("eagle", "eagle3"):
+        steps = d.get("ttt_steps", 1)
+        vd = d.get("draft_vocab_size") or V
+        act = n * steps * (layer + 12 * vd) + n * 4 * V  # layer + loss logits per step, teacher distribution
+    elif module.NAME == "medusa":
+        vd = d.get("draft_vocab_size") or V
+        act = n * d["num_heads"] * (12 * vd + 8 * H) + n * 4 * V
+        if d.get("backbone", "frozen") != "frozen":  # gradients flow through the whole backbone
+            act += n * tc.num_hidden_layers * layer + n * 8 * V
+    else:  # distill: the student's layers, its full-vocabulary loss, the teacher's distribution
+        student_layers = d.get("num_layers", tc.num_hidden_layers) if d.get("init", "truncate") == "truncate" \
+            else drafter.config.num_hidden_layers
+        act = n * student_layers * layer + n * 12 * V + n * 4 * V
+    if names and not cfg.data.offline_features:
+        act += n * b_t * (2 * H + 2 * I)  # the target's forward for online features (no grad): one layer's transient
+    return Sizes(sum(p.numel() for p in target.parameters()), sum(p.numel() for p in own), trainable, act,
+                 feat_dims * b_t)
+
+
+def per_rank(s: Sizes, preset: str, world: int, b_target: int) -> dict[str, float]:
+    """Bytes per rank (GPU) for one preset."""
+    p = PRESETS[preset]
+
+    def part(name: str, total: float) -> float:
+        if name in p["offload"]:
+            return 0.0
+        return total / world if name in p["shard"] else total
+
+    out = {"target weights": s.target_params * b_target, "drafter weights": part("weights", s.drafter_params * 4),
+           "gradients": part("grads", s.trainable_params * 4), "optimizer": part("optimizer", s.trainable_params * 8),
+           "activations": s.activation_bytes}
+    out["total"] = sum(out.values())
+    return out
+
+
+def plan(cfg: Config, gpus: int, nodes: int = 1, preset: str | None = None, gpu_memory_gib: float = 80.0) -> str:
+    if preset is not None and preset not in PRESETS:
+        raise DraftsmithError(f"--preset {preset}: unknown (valid: {', '.join(PRESETS)})")
+    tc = target_config(cfg.target, cfg.cache_dir)
+    s = sizes(cfg, tc)
+    world, b_t = gpus * nodes, 4 if cfg.target_dtype in ("float32", "no", "fp32") else 2
+    tokens = (cfg.data.max_examples or 0) * cfg.data.max_length
+    lines = [f"{cfg.drafter['type']} drafter for {cfg.target}: target {s.target_params / 1e9:.2f}B params, drafter "
+             f"{s.drafter_params / 1e6:.1f}M own / {s.trainable_params / 1e6:.1f}M trainable; {world} rank(s); "
+             f"micro-batch {cfg.optim.batch_size} x {cfg.data.max_length} tokens",
+             f"offline feature cache: {s.feature_bytes_per_token} bytes/token"
+             + (f" x {tokens:,} tokens (max_examples x max_length) = {s.feature_bytes_per_token * tokens / GiB:.1f} GiB"
+                if tokens else f" = {s.feature_bytes_per_token * 1e9 / GiB:.0f} GiB per billion tokens"), "",
+             "| preset (GiB per rank) | target | drafter | grads | optimizer | activations | total | fits "
+             f"{gpu_memory_gib:g} GiB |", "|---|---|---|---|---|---|---|---|"]
+    for name in [preset] if preset else PRESETS:
+        r = per_rank(s, name, world if name not in ("single-gpu",) else 1, b_t)
+        fits = "yes" if r["total"] <= gpu_memory_gib * GiB else "no"
+        lines.append(f"| {name} | " + " | ".join(f"{r[k] / GiB:.2f}" for k in
+                     ("target weights", "drafter weights", "gradients", "optimizer", "activations", "total"))
+                     + f" | {fits} |")
+    return "\n".join(lines)
