@@ -33,6 +33,11 @@ PLAN_HELP = """examples:
   draftsmith plan recipes/llama-3.1-8b/eagle3.yaml --gpus 8
   draftsmith plan recipes/llama-3.1-8b/medusa2.yaml --gpus 8 --nodes 2 --preset zero3 --gpu-memory 40"""
 
+PUBLISH_HELP = """examples:
+  draftsmith publish checkpoints/eagle3-smollm2/final --repo-id me/eagle3-smollm2 --dry-run
+  draftsmith publish checkpoints/distill-smollm2/final --repo-id me/smollm2-student --format hf --private
+The token comes from HF_TOKEN or `hf auth login`; it is never printed."""
+
 DATA_HELP = """examples:
   draftsmith data regenerate --target smollm2-135m --data builtin:code --out data/code-regen.jsonl
   draftsmith data features recipes/cpu/eagle-smollm2.yaml --out features/smollm2-code
@@ -87,6 +92,19 @@ def cmd_export(args) -> None:
     target, tok = load_target(args.target or meta["target"])
     out = export(args.drafter, target, args.format, args.out, tok)
     print(f"wrote {out} ({args.format} format)")
+
+
+def cmd_publish(args) -> None:
+    from draftsmith.eval.publish import publish
+    from draftsmith.models.common import read_drafter_meta
+    from draftsmith.models.target import ensure_pad, load_target
+
+    meta = read_drafter_meta(Path(args.drafter))
+    target, tok = load_target(args.target or meta["target"])
+    ensure_pad(tok)
+    out = publish(args.drafter, args.repo_id, target, tok, args.format, args.out, args.private, args.revision,
+                  args.dry_run, args.force, args.license)
+    print(f"wrote {out}" + ("" if args.dry_run else f" and uploaded it to https://huggingface.co/{args.repo_id}"))
 
 
 def cmd_regenerate(args) -> None:
@@ -181,6 +199,21 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--preset", help="one preset only (default: all)")
     pl.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU, for the `fits` column")
     pl.set_defaults(fn=cmd_plan)
+
+    pb = sub.add_parser("publish", help="export, check serving parity, write a model card and upload to the Hub",
+                        epilog=PUBLISH_HELP, formatter_class=fmt)
+    pb.add_argument("drafter", help="a drafter folder (…/final) whose run has an eval report")
+    pb.add_argument("--repo-id", required=True, help="ORG/NAME on the Hugging Face Hub")
+    pb.add_argument("--format", choices=["vllm", "sglang", "speculators", "hf"],
+                    help="default: eagle vllm, eagle3 speculators, medusa vllm, distill hf")
+    pb.add_argument("--private", action="store_true")
+    pb.add_argument("--revision", help="upload to this branch (created if missing)")
+    pb.add_argument("--dry-run", action="store_true", help="write the folder that would be uploaded; upload nothing")
+    pb.add_argument("--force", action="store_true", help="publish without a lossless eval report or a passing parity check")
+    pb.add_argument("--out", help="the folder to write (default: next to the drafter, publish-FORMAT)")
+    pb.add_argument("--license", default="other", help="model card license (the target's terms usually apply)")
+    pb.add_argument("--target", help="target to check the drafter against (default: the one it was trained for)")
+    pb.set_defaults(fn=cmd_publish)
 
     d = sub.add_parser("data", help="prepare data: regenerate answers, cache features, dump the built-in corpus", epilog=DATA_HELP, formatter_class=fmt)
     dsub = d.add_subparsers(dest="data_command", required=True)
