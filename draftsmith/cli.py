@@ -84,14 +84,26 @@ def cmd_eval(args) -> None:
 
 
 def cmd_export(args) -> None:
+    import copy
+
     from draftsmith.models.common import read_drafter_meta
     from draftsmith.models.export import export
-    from draftsmith.models.target import load_target
+    from draftsmith.models.target import ensure_pad, load_target
 
     meta = read_drafter_meta(Path(args.drafter))
     target, tok = load_target(args.target or meta["target"])
-    out = export(args.drafter, target, args.format, args.out, tok)
+    ensure_pad(tok)
+    source = copy.deepcopy(target) if args.verify else target  # a Medusa-2 load adapts the target it is given
+    out = export(args.drafter, source, args.format, args.out, tok)
     print(f"wrote {out} ({args.format} format)")
+    if args.verify:
+        from draftsmith.eval.publish import verify_export
+
+        parity = verify_export(Path(args.drafter), out, target, tok, args.data)
+        print(f"serving parity on {args.data}: draft-token agreement {parity['draft_token_agreement']:.1%} over "
+              f"{parity['rounds']} rounds, τ {parity['tau_export']:.2f} (export) vs {parity['tau_drafter']:.2f} (drafter)")
+        if not parity["passed"]:
+            raise DraftsmithError(f"{out}: the export does not draft like the drafter it came from")
 
 
 def cmd_publish(args) -> None:
@@ -188,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--format", required=True, choices=["vllm", "sglang", "speculators", "hf"])
     x.add_argument("--out", required=True)
     x.add_argument("--target", help="target to check the drafter against (default: the one it was trained for)")
+    x.add_argument("--verify", action="store_true", help="read the export back as its consumer maps it and check "
+                   "that it drafts exactly like the drafter on a few holdout prompts")
+    x.add_argument("--data", default="builtin:code-holdout", help="holdout prompts for --verify")
     x.set_defaults(fn=cmd_export)
 
     pl = sub.add_parser("plan", help="per-rank GPU memory of a recipe under each launch preset (no weights loaded)",

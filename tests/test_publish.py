@@ -108,3 +108,26 @@ def test_a_medusa2_drafter_publishes_its_heads_and_the_merged_backbone(tiny_targ
     assert (out / "backbone" / "config.json").is_file() and (out / "backbone" / "tokenizer.json").is_file()
     card = (out / "README.md").read_text()
     assert "the `backbone/` folder of this repo" in card and "(passed)" in card and '"method": "medusa"' in card
+
+
+def test_export_verify_reports_serving_parity_and_catches_a_bad_mapping(run, tiny_target_dir, chat_jsonl, capsys,
+                                                                        monkeypatch):
+    import torch
+
+    from draftsmith.models import export as export_module
+
+    args = ["export", str(run / "final"), "--format", "speculators", "--out", str(run / "spec"), "--verify",
+            "--target", str(tiny_target_dir), "--data", str(chat_jsonl)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "serving parity on" in out and "draft-token agreement 100.0%" in out
+    real = export_module.read_export
+
+    def misread(path, family, target):  # a consumer that maps one tensor wrongly
+        state = real(path, family, target)
+        state["lm_head.weight"] = torch.flip(state["lm_head.weight"], dims=[0])
+        return state
+
+    monkeypatch.setattr(export_module, "read_export", misread)
+    assert main(args) == 1
+    assert "does not draft like the drafter" in capsys.readouterr().err
