@@ -22,6 +22,10 @@ EVAL_HELP = """examples:
   draftsmith eval --drafter checkpoints/eagle3-smollm2/final --data builtin:code-holdout --tree dynamic:depth=5,top_k=8,tokens=48
   draftsmith eval --drafter none --data builtin:code-holdout          (target-only baseline)"""
 
+COMPARE_HELP = """examples:
+  draftsmith compare --drafter checkpoints/eagle3-smollm2/final --drafter checkpoints/medusa1-smollm2/final@static:recipes/trees/medusa-4heads.json \\
+      --drafter ngram --drafter none --data builtin:code-holdout --data builtin:prose-holdout --k 3 --out compare/"""
+
 EXPORT_HELP = """examples:
   draftsmith export checkpoints/eagle-smollm2/final --format vllm --out exports/eagle-vllm
   draftsmith export checkpoints/eagle3-smollm2/final --format sglang --out exports/eagle3-sglang
@@ -81,6 +85,23 @@ def cmd_eval(args) -> None:
         report = evaluate_drafter(module, drafter, dcfg, target, tok, args.data, out, **common)
     print(format_table([report]))
     print(f"wrote {out}/report.json, report.md, acceptance.png")
+
+
+def cmd_compare(args) -> None:
+    from draftsmith.eval.compare import compare, compare_table, parse_drafter
+    from draftsmith.models.common import read_drafter_meta
+    from draftsmith.models.target import ensure_pad, load_target
+
+    trained = [parse_drafter(d)[0] for d in args.drafter if parse_drafter(d)[0] not in ("none", "ngram")]
+    metas = [read_drafter_meta(Path(d)) for d in trained]  # bad folders fail before any model loads
+    target_name = args.target or (metas[0]["target"] if metas else "smollm2-135m")
+    target, tok = load_target(target_name, args.dtype)
+    ensure_pad(tok)
+    reports = compare(args.drafter, args.data, target, tok, Path(args.out), k=args.k, num_prompts=args.num_prompts,
+                      max_new_tokens=args.max_new_tokens, target_name=target_name, temperature=args.temperature,
+                      top_p=args.top_p, tree=args.tree)
+    print(compare_table(reports))
+    print(f"wrote {args.out}/compare.json, compare.md, compare.png")
 
 
 def cmd_export(args) -> None:
@@ -194,6 +215,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="auto", type=dtype_arg, help=DTYPE_HELP)
     e.add_argument("--out", help="report folder (default: next to the drafter)")
     e.set_defaults(fn=cmd_eval)
+
+    c = sub.add_parser("compare", help="N drafters x M holdouts in one table (same prompts, one process)",
+                       epilog=COMPARE_HELP, formatter_class=fmt)
+    c.add_argument("--drafter", action="append", required=True, help="a drafter folder, ngram or none; PATH@TREE for a tree")
+    c.add_argument("--data", action="append", required=True, help="a holdout (repeat for several domains)")
+    c.add_argument("--target", help="default: the first trained drafter's target")
+    c.add_argument("--k", type=int, default=5)
+    c.add_argument("--tree", help="a draft tree for every drafter that builds trees (PATH@TREE overrides)")
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--num-prompts", type=int, default=20)
+    c.add_argument("--dtype", default="auto", type=dtype_arg, help=DTYPE_HELP)
+    c.add_argument("--out", required=True)
+    c.set_defaults(fn=cmd_compare)
 
     x = sub.add_parser("export", help="write a drafter in the format vLLM / SGLang / speculators / transformers load", epilog=EXPORT_HELP, formatter_class=fmt)
     x.add_argument("drafter", help="a drafter folder (…/final)")

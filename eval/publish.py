@@ -7,7 +7,6 @@ from huggingface_hub's own lookup (HF_TOKEN or `hf auth login`); it is never pri
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 from pathlib import Path
@@ -20,7 +19,7 @@ from draftsmith.data.regenerate import eos_ids
 from draftsmith.eval.report import _where, format_table
 from draftsmith.eval.speculative import Stats, speculative_decode
 from draftsmith.models.export import FORMATS, export, import_export
-from draftsmith.models.registry import load_drafter
+from draftsmith.models.registry import load_drafter, target_to_load_on
 from draftsmith.models.target import served_name
 
 DEFAULT_FORMAT = {"eagle": "vllm", "eagle3": "speculators", "medusa": "vllm", "distill": "hf"}
@@ -48,7 +47,7 @@ def verify_export(drafter_dir: Path, exported: Path, target, tok, holdout: str, 
     """Serving parity: re-read the exported folder (transformers for `hf`; the consumer's weight
     mapping for the EAGLE and Medusa formats) and decode a few holdout prompts greedily with it and
     with draftsmith's own drafter, on the same target. Every draft token must agree."""
-    target = _own_copy(target, drafter_dir)
+    target = target_to_load_on(target, drafter_dir)
     module, cfg, own = load_drafter(drafter_dir, target)
     verifier = module.verifier(own, target)
     if verifier is not target:  # Medusa-2: the export's heads draft for the exported backbone
@@ -68,13 +67,6 @@ def verify_export(drafter_dir: Path, exported: Path, target, tok, holdout: str, 
     return {"draft_token_agreement": round(agree, 4), "rounds": len(a), "tau_drafter": round(tau_a, 4),
             "tau_export": round(tau_b, 4), "passed": agree == 1.0 and len(a) == len(b),
             "params": sum(p.numel() for p in getattr(own, "heads", own).parameters())}
-
-
-def _own_copy(target, drafter_dir: Path):
-    """A drafter that trained the backbone (Medusa-2) injects its adapters into the target it is
-    loaded on: give each such load its own copy of the target."""
-    cfg = json.loads((Path(drafter_dir) / "config.json").read_text())["drafter_config"]
-    return copy.deepcopy(target) if cfg.get("backbone", "frozen") != "frozen" else target
 
 
 def serving_snippet(family: str, fmt: str, repo_id: str, target: str, k: int) -> str:
@@ -158,7 +150,7 @@ def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None 
     folder = Path(out or drafter_dir.parent / f"publish-{fmt}")
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    export(drafter_dir, _own_copy(target, drafter_dir), fmt, tmp, tok)  # writes tmp.tmp, renames it to tmp
+    export(drafter_dir, target_to_load_on(target, drafter_dir), fmt, tmp, tok)  # writes tmp.tmp, renames it to tmp
     parity = verify_export(drafter_dir, tmp, target, tok, (report or {}).get("holdout", "builtin:code-holdout"))
     if not parity["passed"] and not force:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -34,10 +34,12 @@ def divergence_gap(target, prompt: list[int], ref: list[int], generated: list[in
 
 def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k: int = 5, num_prompts: int = 20,
              max_new_tokens: int = 64, target_name: str = "", temperature: float = 0.0, top_p: float = 1.0,
-             tree: str | None = None) -> dict:
+             tree: str | None = None, baseline: list[tuple[list[int], float]] | None = None) -> dict:
     """Decode each holdout prompt target-only and speculatively; measure τ, acceptance, speed.
     proposer: a drafter's proposer (`module.make_proposer`), an NgramProposer, or None (k becomes 0).
-    tree: a tree spec (models/drafts.py) instead of a chain of k drafts; k then reports the tree depth."""
+    tree: a tree spec (models/drafts.py) instead of a chain of k drafts; k then reports the tree depth.
+    baseline: target-only (output, seconds) per prompt from `target_baseline`, measured once and shared
+    by several drafters (`draftsmith compare`); by default it is measured here, prompt by prompt."""
     spec = parse_tree(tree) if tree else None
     if spec is not None and not hasattr(proposer, "propose_tree"):
         raise DraftsmithError(f"--tree: drafter '{name}' proposes chains only; drop --tree or use a trained drafter")
@@ -61,7 +63,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
     target_decode(target, prompts[0][:8], max_new_tokens, eos, sampler(0))
     speculative_decode(target, proposer, prompts[0][:8], k, max_new_tokens, eos, sampler(0), tree=spec)
     for n, prompt in enumerate(tqdm(prompts, desc=f"eval {name}")):
-        ref, s_ref = timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
+        ref, s_ref = baseline[n] if baseline else timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
         generated, s_spec = timed(speculative_decode, target, proposer, prompt, k, max_new_tokens, eos, sampler(n), stats, spec)
         ref_s += s_ref
         stats.seconds += s_spec
@@ -92,6 +94,17 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
     if out is not None:
         write_report(report, out)
     return report
+
+
+def target_baseline(target, tok, holdout: str, num_prompts: int = 20, max_new_tokens: int = 64,
+                    temperature: float = 0.0, top_p: float = 1.0, **_) -> list[tuple[list[int], float]]:
+    """Target-only decoding of the holdout prompts: (output, seconds) per prompt, seeded as `evaluate`
+    seeds them, so a shared baseline is the one `evaluate` would have measured."""
+    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
+    eos, device = eos_ids(target, tok), next(target.parameters()).device
+    target_decode(target, prompts[0][:8], max_new_tokens, eos, None)  # warm-up, as in evaluate
+    return [timed(target_decode, target, p, max_new_tokens, eos,
+                  Sampler(temperature, top_p, n, device) if temperature > 0 else None) for n, p in enumerate(prompts)]
 
 
 def evaluate_drafter(module, drafter, dcfg, target, tok, holdout: str, out: Path | None, **kwargs) -> dict:

@@ -4,7 +4,9 @@ tests/test_registry.py checks that every entry has the shared interface and that
 
 from __future__ import annotations
 
+import copy
 import difflib
+import json
 from pathlib import Path
 from types import ModuleType
 
@@ -53,3 +55,10 @@ def load_drafter(path: str | Path, target):
                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     param = next(target.parameters())
     return module, cfg, drafter.to(param.device, param.dtype).eval()
+
+
+def target_to_load_on(target, path: str | Path):
+    """The target object to load the drafter at `path` on: a drafter that trained the backbone
+    (Medusa-2) injects its adapters into the target it is loaded on, so it gets its own copy."""
+    cfg = json.loads((Path(path) / "config.json").read_text()).get("drafter_config", {})
+    return copy.deepcopy(target) if cfg.get("backbone", "frozen") != "frozen" else target

@@ -18,7 +18,6 @@ come from the drafter's config.json (recorded by `draftsmith train`); eval peak 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import resource
 import time
@@ -28,7 +27,7 @@ from torch import nn
 
 from draftsmith.eval.report import format_table
 from draftsmith.eval.run import backbone_drift, evaluate
-from draftsmith.models.registry import load_drafter
+from draftsmith.models.registry import load_drafter, target_to_load_on
 from draftsmith.train.precision import DTYPE_HELP, dtype_arg
 from draftsmith.models.target import ensure_pad, load_target
 
@@ -118,9 +117,9 @@ def main(argv=None) -> None:
     common = dict(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, target_name=target_name)
     reports, costs = [], {}
     for name, meta in metas.items():
-        # Each drafter gets its own copy of the target: a family that trained the backbone (Medusa-2)
-        # injects its adapters into the target it is loaded on, and is verified by that backbone merged.
-        own = copy.deepcopy(target)
+        # A family that trained the backbone (Medusa-2) gets its own copy of the target (its adapters
+        # go into it) and is verified by that backbone, merged.
+        own = target_to_load_on(target, drafters[name])
         module, dcfg, drafter = load_drafter(drafters[name], own)
         verifier = module.verifier(drafter, own)
         timed = TimedProposer(module.make_proposer(drafter, verifier, dcfg))

@@ -1,0 +1,95 @@
+"""`draftsmith compare`: N drafters x M holdouts in one process, on the same prompts, with the
+target-only baseline measured once per holdout -> compare.json, compare.md, compare.png.
+
+A drafter is a trained drafter folder, `ngram` or `none`, optionally with its own draft tree:
+`PATH@static:recipes/trees/medusa-4heads.json` or `PATH@dynamic:depth=3,top_k=3,tokens=8`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from draftsmith import DraftsmithError
+from draftsmith.eval.report import LOSSLESS
+from draftsmith.eval.run import evaluate, make_baseline, target_baseline
+from draftsmith.models.registry import load_drafter, target_to_load_on
+
+
+def parse_drafter(spec: str) -> tuple[str, str | None]:
+    """`PATH[@TREE]` -> (path, tree spec or None)."""
+    path, _, tree = spec.partition("@")
+    return path, tree or None
+
+
+def compare(drafters: list[str], holdouts: list[str], target, tok, out: Path | None, **kwargs) -> list[dict]:
+    """kwargs: evaluate's flags (k, num_prompts, max_new_tokens, temperature, top_p, tree, target_name)."""
+    if not drafters or not holdouts:
+        raise DraftsmithError("compare: give at least one --drafter and one --data")
+    loaded = []
+    for spec in drafters:
+        path, tree = parse_drafter(spec)
+        if path in ("none", "ngram"):
+            loaded.append((path, path, make_baseline(path), target, tree))
+            continue
+        own = target_to_load_on(target, path)
+        module, dcfg, drafter = load_drafter(path, own)
+        verifier = module.verifier(drafter, own)
+        label = f"{module.NAME} ({Path(path).parent.name or path})"
+        loaded.append((label, path, module.make_proposer(drafter, verifier, dcfg), verifier, tree))
+    reports = []
+    for holdout in holdouts:
+        shared = target_baseline(target, tok, holdout, **kwargs)  # target-only, once per holdout
+        for label, path, proposer, verifier, tree in loaded:
+            # A drafter verified by its own trained backbone (Medusa-2) needs that backbone's baseline.
+            run = {**kwargs, "tree": tree or (kwargs.get("tree") if hasattr(proposer, "propose_tree") else None)}
+            r = evaluate(proposer, label, verifier, tok, holdout, None, **run,
+                         baseline=shared if verifier is target else None)
+            reports.append({**r, "drafter_path": path})
+    if out is not None:
+        write_compare(reports, Path(out))
+    return reports
+
+
+def compare_table(reports: list[dict]) -> str:
+    lines = ["| drafter | holdout | draft | τ | acceptance | per-position | speedup | lossless |", "|---|---|---|---|---|---|---|---|"]
+    for r in reports:
+        shape = f"tree {r['tree']}" if r["tree"] else (f"chain K={r['k']}" if r["k"] else "-")
+        pp = " ".join(f"{p:.2f}" for p in r["per_position"]) or "-"
+        lines.append(f"| {r['drafter']} | {r['holdout']} | {shape} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | "
+                     f"{r['speedup']:.2f}x | {LOSSLESS[r['lossless']]} |")
+    return "\n".join(lines)
+
+
+def write_compare(reports: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "compare.json").write_text(json.dumps(reports, indent=2))
+    r0 = reports[0]
+    (tmp / "compare.md").write_text(
+        f"# draftsmith compare\n\nTarget `{r0['target']}`, up to {r0['num_prompts']} prompts per holdout, temperature "
+        f"{r0['temperature']}, batch size 1, one process; measured on {r0.get('device_name')} ({r0.get('dtype')}).\n\n"
+        + compare_table(reports) + "\n")
+    drafters = list(dict.fromkeys(r["drafter"] for r in reports))
+    holdouts = list(dict.fromkeys(r["holdout"] for r in reports))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    width = 0.8 / max(len(drafters), 1)
+    for ax, key, title in zip(axes, ("tau", "speedup"), ("τ (tokens per target pass)", "measured speedup")):
+        for i, d in enumerate(drafters):
+            ys = [next((r[key] for r in reports if r["drafter"] == d and r["holdout"] == h), 0) for h in holdouts]
+            ax.bar([j + i * width for j in range(len(holdouts))], ys, width, label=d)
+        ax.set_xticks([j + width * (len(drafters) - 1) / 2 for j in range(len(holdouts))], holdouts, fontsize=7)
+        ax.set_title(title)
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(tmp / "compare.png", dpi=100)
+    plt.close(fig)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
