@@ -23,13 +23,18 @@ import resource
 import time
 from pathlib import Path
 
+import torch
 from torch import nn
 
+from draftsmith.data.features import target_features
+from draftsmith.data.load import encode_prompt, load_prompts
+from draftsmith.data.regenerate import eos_ids
 from draftsmith.eval.report import format_table
 from draftsmith.eval.run import backbone_drift, evaluate
+from draftsmith.eval.speculative import target_decode
 from draftsmith.models.registry import load_drafter, target_to_load_on
-from draftsmith.train.precision import DTYPE_HELP, dtype_arg
 from draftsmith.models.target import ensure_pad, load_target
+from draftsmith.train.precision import DTYPE_HELP, dtype_arg
 
 
 class TimedProposer:
@@ -82,6 +87,25 @@ def draft_vocab_size(drafter, target) -> int:
     return head.out_features if head is not None else target.config.vocab_size
 
 
+@torch.no_grad()
+def medusa_head_accuracy(heads, verifier, tok, holdout: str, num_prompts: int, max_new_tokens: int) -> list[float]:
+    """Per Medusa head k: how often its top-1 at position t is token t+k+2 of the verifier's own greedy
+    answer to a holdout prompt, over the answer's positions (from the last prompt token on)."""
+    eos, k_heads = eos_ids(verifier, tok), len(heads.blocks)
+    hits, counts = [0] * k_heads, [0] * k_heads
+    for prompt in load_prompts(holdout, num_prompts):
+        ids = encode_prompt(tok, prompt)
+        full = torch.tensor([ids + target_decode(verifier, ids, max_new_tokens, eos)], device=heads.blocks[0].layers[0].linear.weight.device)
+        h = target_features(verifier, {"input_ids": full}, ("last_hidden",))["last_hidden"][0].to(heads.dtype)
+        for k in range(k_heads):
+            ts = list(range(len(ids) - 1, full.shape[1] - k - 2))
+            if ts:
+                pred = heads.to_target(heads.head_logits(h[ts], k).argmax(-1))
+                hits[k] += int((pred == full[0, [t + k + 2 for t in ts]]).sum())
+                counts[k] += len(ts)
+    return [round(h / max(c, 1), 4) for h, c in zip(hits, counts)]
+
+
 def tree_for(label: str, family: str, given: list[str]) -> str:
     """The tree a drafter is benchmarked with: LABEL=SPEC, else a plain SPEC, else its family's default."""
     own = [g.split("=", 1)[1] for g in given if g.split("=", 1)[0] == label and not g.startswith(("static:", "dynamic"))]
@@ -124,9 +148,10 @@ def main(argv=None) -> None:
         verifier = module.verifier(drafter, own)
         timed = TimedProposer(module.make_proposer(drafter, verifier, dcfg))
         tree = tree_for(name, module.NAME, args.tree)
-        runs = [dict(k=args.k), dict(tree=tree)]
+        trees = [dict(tree=tree)] if hasattr(timed.proposer, "propose_tree") else []  # a student drafts chains
+        runs = [dict(k=args.k)] + trees
         if args.temperature > 0:
-            runs += [dict(k=args.k, temperature=args.temperature), dict(tree=tree, temperature=args.temperature)]
+            runs += [dict(k=args.k, temperature=args.temperature)] + [{**t, "temperature": args.temperature} for t in trees]
         greedy_chain_seconds = None
         for run in runs:
             before = (timed.seconds, timed.rounds, timed.steps)
@@ -144,6 +169,10 @@ def main(argv=None) -> None:
             "train_seconds": meta.get("train_seconds"), "train_steps": meta.get("steps"),
             "train_peak_rss_gb": meta.get("peak_rss_gb"),
         }
+        if module.NAME == "medusa":  # per-head top-1 on the holdout (the acc/acc1/... of training, held out)
+            costs[name]["head_top1"] = medusa_head_accuracy(heads, verifier, tok, args.data, args.num_prompts,
+                                                            args.max_new_tokens)
+            print(f"{name}: per-head top-1 on the holdout {costs[name]['head_top1']}")
         if verifier is not own:
             with drafter.original() as original:
                 costs[name]["drift"] = backbone_drift(original, verifier, tok, args.data, module.make_proposer(
