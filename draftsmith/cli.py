@@ -60,7 +60,7 @@ def cmd_eval(args) -> None:
     from draftsmith.eval.run import evaluate, evaluate_drafter, make_baseline
     from draftsmith.models.registry import load_drafter
     from draftsmith.models.common import read_drafter_meta
-    from draftsmith.models.target import ensure_pad, load_target
+    from draftsmith.models.target import ensure_pad, fingerprint, load_target
 
     if args.tree:
         from draftsmith.models.drafts import parse_tree
@@ -80,8 +80,11 @@ def cmd_eval(args) -> None:
         out = Path(args.out or f"eval-{args.drafter}")
         report = evaluate(make_baseline(args.drafter), args.drafter, target, tok, args.data, out, **common)
     else:
-        module, dcfg, drafter = load_drafter(args.drafter, target)
+        module, dcfg, drafter = load_drafter(args.drafter, target, allow_stale=args.allow_stale)
         out = Path(args.out) if args.out else Path(args.drafter).parent / "eval"
+        stale = meta["target_fingerprint"] != fingerprint(target)
+        if stale:  # allowed: the report says so, with both fingerprints
+            common["stale"] = {"trained_for": meta["target_fingerprint"], "evaluated_on": fingerprint(target)}
         report = evaluate_drafter(module, drafter, dcfg, target, tok, args.data, out, **common)
     print(format_table([report]))
     print(f"wrote {out}/report.json, report.md, acceptance.png")
@@ -214,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-prompts", type=int, default=20)
     e.add_argument("--dtype", default="auto", type=dtype_arg, help=DTYPE_HELP)
     e.add_argument("--out", help="report folder (default: next to the drafter)")
+    e.add_argument("--allow-stale", action="store_true", help="evaluate against a target the drafter was not trained "
+                   "for (e.g. after a target update); the report marks it stale")
     e.set_defaults(fn=cmd_eval)
 
     c = sub.add_parser("compare", help="N drafters x M holdouts in one table (same prompts, one process)",

@@ -42,6 +42,8 @@ def _markdown(r: dict) -> str:
         f"Holdout `{r['holdout']}`, {r['num_prompts']} prompts, {r['new_tokens']} new tokens, "
         f"temperature {r['temperature']}, batch size {r.get('batch_size', 1)}, draft: {_shape(r)}.",
         f"Measured on {_where(r)}.", "",
+        *([f"**Stale drafter**: trained for target fingerprint `{r['stale']['trained_for']}`, evaluated on "
+           f"`{r['stale']['evaluated_on']}` (`--allow-stale`).", ""] if r.get("stale") else []),
         format_table([r]), "",
         "τ = tokens emitted per target verification pass (bonus token included), pooled over prompts.",
         "Per-position acceptance j = P(draft token j accepted | tokens < j accepted); on a tree, j is the depth.",

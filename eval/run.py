@@ -34,7 +34,8 @@ def divergence_gap(target, prompt: list[int], ref: list[int], generated: list[in
 
 def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k: int = 5, num_prompts: int = 20,
              max_new_tokens: int = 64, target_name: str = "", temperature: float = 0.0, top_p: float = 1.0,
-             tree: str | None = None, baseline: list[tuple[list[int], float]] | None = None) -> dict:
+             tree: str | None = None, baseline: list[tuple[list[int], float]] | None = None,
+             stale: dict | None = None) -> dict:
     """Decode each holdout prompt target-only and speculatively; measure τ, acceptance, speed.
     proposer: a drafter's proposer (`module.make_proposer`), an NgramProposer, or None (k becomes 0).
     tree: a tree spec (models/drafts.py) instead of a chain of k drafts; k then reports the tree depth.
@@ -84,7 +85,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         "target_tokens_per_s": round(target_tps, 2), "spec_tokens_per_s": round(spec_tps, 2),
         "speedup": round(spec_tps / target_tps, 3),
         # Beyond the fixed keys: the conditions users need to read the numbers.
-        "batch_size": 1, "top_p": top_p, "draft_tokens_per_pass": round(stats.proposed / max(stats.passes, 1), 2),
+        "batch_size": 1, "top_p": top_p, "stale": stale, "draft_tokens_per_pass": round(stats.proposed / max(stats.passes, 1), 2),
         "lossless_mismatches": mismatches if temperature == 0 else None, "mismatch_logit_gaps": gaps,
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         # Where it was measured (device, CPU model or GPU name, native bf16, threads): a speedup

@@ -36,12 +36,13 @@ def drafter_module(name: str, where: str = "drafter.type") -> ModuleType:
     return DRAFTERS[name]
 
 
-def load_drafter(path: str | Path, target):
+def load_drafter(path: str | Path, target, allow_stale: bool = False):
     """A saved draftsmith drafter -> (module, drafter config, drafter); refuses drafters trained
-    for another target."""
+    for another target unless `allow_stale` (measuring staleness after a target update)."""
     meta = read_drafter_meta(Path(path))
     module = drafter_module(meta["drafter"], f"{path}/config.json: drafter")
-    check_fingerprint(meta, fingerprint(target), str(path))
+    if not allow_stale:
+        check_fingerprint(meta, fingerprint(target), str(path))
     cfg = from_dict(module.DrafterConfig, {k: v for k, v in meta["drafter_config"].items() if k != "type"},
                     f"{path}/config.json: drafter_config")
     drafter = module.rebuild(meta, target)

@@ -28,3 +28,32 @@ def test_compare_writes_one_row_per_drafter_and_holdout_with_a_shared_baseline(t
     medusa = next(r for r in reports if r["drafter"].startswith("medusa"))
     assert medusa["tree"] == "static:[[0],[1],[0,0]]" and medusa["k"] == 2
     assert "| ngram |" in (out / "compare.md").read_text() and "| drafter | holdout |" in capsys.readouterr().out
+
+
+def test_allow_stale_is_required_for_another_target_and_the_report_marks_it(tiny_target_dir, other_target_dir, chat_jsonl,
+                                                                            tmp_path, capsys):
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+    from tests.test_train import _overrides
+
+    run = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{"optim.max_steps": 2})))
+    args = ["eval", "--drafter", str(run / "final"), "--target", str(other_target_dir), "--data", str(chat_jsonl),
+            "--num-prompts", "2", "--max-new-tokens", "8", "--k", "2", "--out", str(tmp_path / "stale")]
+    assert main(args) == 1 and "trained for target" in capsys.readouterr().err
+    assert main(args + ["--allow-stale"]) == 0
+    report = json.loads((tmp_path / "stale" / "report.json").read_text())
+    assert report["stale"]["trained_for"] != report["stale"]["evaluated_on"] and report["lossless"]
+    assert "Stale drafter" in (tmp_path / "stale" / "report.md").read_text()
+
+
+def test_compare_gives_the_numbers_separate_evals_give(tiny_target_dir, chat_jsonl, tmp_path):
+    from draftsmith.eval.compare import compare
+    from draftsmith.eval.run import evaluate, make_baseline
+    from draftsmith.models.target import load_target
+
+    target, tok = load_target(str(tiny_target_dir))
+    flags = dict(k=3, num_prompts=3, max_new_tokens=10)
+    together = compare(["ngram"], [str(chat_jsonl)], target, tok, None, **flags)[0]
+    alone = evaluate(make_baseline("ngram"), "ngram", target, tok, str(chat_jsonl), None, **flags)
+    for key in ("tau", "acceptance_rate", "per_position", "new_tokens", "lossless"):
+        assert together[key] == alone[key], key
