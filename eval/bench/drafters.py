@@ -148,7 +148,7 @@ def main(argv=None) -> None:
         verifier = module.verifier(drafter, own)
         timed = TimedProposer(module.make_proposer(drafter, verifier, dcfg))
         tree = tree_for(name, module.NAME, args.tree)
-        trees = [dict(tree=tree)] if hasattr(timed.proposer, "propose_tree") else []  # a student drafts chains
+        trees = [dict(tree=tree)] if hasattr(timed.inner, "propose_tree") else []  # a student drafts chains
         runs = [dict(k=args.k)] + trees
         if args.temperature > 0:
             runs += [dict(k=args.k, temperature=args.temperature)] + [{**t, "temperature": args.temperature} for t in trees]
