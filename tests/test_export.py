@@ -10,7 +10,7 @@ from draftsmith import DraftsmithError
 from draftsmith.cli import main
 from draftsmith.models.registry import load_drafter
 from draftsmith.eval.speculative import Stats, speculative_greedy
-from draftsmith.models import eagle, eagle3, medusa
+from draftsmith.models import distill, eagle, eagle3, medusa
 from draftsmith.models.common import save_drafter
 from draftsmith.models.export import export, import_export
 from draftsmith.models.target import fingerprint
@@ -110,19 +110,21 @@ def test_drafters_bench_runs_every_row_on_tiny_drafters_of_every_family(tiny_tar
     target, _ = load_target(str(tiny_target_dir))
     paths = {}
     for module, cfg in ((eagle, eagle.DrafterConfig()), (eagle3, eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=48)),
-                        (medusa, medusa.DrafterConfig(num_heads=2))):
+                        (medusa, medusa.DrafterConfig(num_heads=2)), (distill, distill.DrafterConfig(num_layers=1))):
         path = _save(tmp_path, module, cfg, target)
         meta = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**meta, "target": str(tiny_target_dir)}))
         paths[module.NAME] = str(path)
     out = tmp_path / "bench.json"
     bench.main(["--drafter", f"eagle={paths['eagle']}", "--drafter", f"eagle3={paths['eagle3']}",
-                "--drafter", f"medusa={paths['medusa']}", "--data", str(chat_jsonl), "--num-prompts", "2",
+                "--drafter", f"medusa={paths['medusa']}", "--drafter", f"distill={paths['distill']}", "--data",
+                str(chat_jsonl), "--num-prompts", "2",
                 "--max-new-tokens", "8", "--tree", "dynamic:depth=3,top_k=2,tokens=5",
                 "--tree", "medusa=static:[[0],[1],[0,0]]", "--out", str(out)])
     result = json.loads(out.read_text())
     rows = [(r["drafter"], r["tree"], r["temperature"]) for r in result["reports"]]
-    assert len(rows) == 12 and ("eagle3", "dynamic:depth=3,top_k=2,tokens=5", 0.7) in rows
+    assert len(rows) == 14 and ("eagle3", "dynamic:depth=3,top_k=2,tokens=5", 0.7) in rows
+    assert [r for r in rows if r[0] == "distill"] == [("distill", None, 0.0), ("distill", None, 0.7)]  # chains only
     assert ("medusa", "static:[[0],[1],[0,0]]", 0.0) in rows
     assert all(r["lossless"] for r in result["reports"] if r["temperature"] == 0)
     c3, c1 = result["costs"]["eagle3"], result["costs"]["eagle"]
