@@ -3,6 +3,10 @@ needs no download.
 
 - `code`: stdlib functions. Prompt = signature + docstring, completion = the function's source.
 - `prose`: the language reference in `pydoc_data.topics`. Prompt = the topic, completion = its text.
+- `summarise`: summarise a stdlib module's docstring; completion = the docstring's first sentence.
+- `translate`: translate a sentence of the language reference into French, German or Spanish;
+  completion = the sentence itself (a placeholder: train with `data.regenerate` to get the target's).
+- `chat`: an open question about a stdlib module, as a user would ask it; completion = its docstring.
 
 Train and holdout are split by *module* (or topic), never by line: about 1 in 8 top-level stdlib
 modules is held out, so the holdout is a different slice of the domain.
@@ -20,7 +24,8 @@ from pathlib import Path
 from draftsmith import DraftsmithError
 
 HOLDOUT_EVERY = 8
-NAMES = ("code", "code-holdout", "prose", "prose-holdout")
+KINDS = ("code", "prose", "summarise", "translate", "chat")
+NAMES = tuple(n for k in KINDS for n in (k, f"{k}-holdout"))
 
 
 def _is_holdout(group: str) -> bool:
@@ -101,10 +106,64 @@ def prose_records(holdout: bool) -> list[dict]:
     return rows
 
 
+def _module_docstrings(holdout: bool) -> list[tuple[str, str]]:
+    """(module, docstring) of top-level stdlib modules with a docstring of a few sentences."""
+    root, out = Path(sysconfig.get_paths()["stdlib"]), []
+    for path in _stdlib_files():
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        if _is_holdout(module.split(".")[0]) != holdout:
+            continue
+        try:
+            head = path.read_text(encoding="utf-8")[:4000]
+        except UnicodeDecodeError:
+            continue
+        # The module docstring opens the file (after comments): read it without parsing the module.
+        match = _DOCSTRING.match(head)
+        if match and len(match.group(2)) >= 200:
+            out.append((module, textwrap.dedent(match.group(2)).strip()[:1500]))
+    return out
+
+
+_DOCSTRING = re.compile(r'\A(?:\s*#[^\n]*\n|\s)*[rR]?("""|\'\'\')(.*?)\1', re.DOTALL)
+
+
+def _first_sentence(text: str) -> str:
+    return re.split(r"(?<=[.!?])\s", " ".join(text.split()), maxsplit=1)[0]
+
+
+def summarise_records(holdout: bool) -> list[dict]:
+    return [{"prompt": f"Summarise this description of the Python `{m}` module in two sentences.\n\n{doc}",
+             "completion": _first_sentence(doc), "source": f"{m}:summary"} for m, doc in _module_docstrings(holdout)]
+
+
+def chat_records(holdout: bool) -> list[dict]:
+    return [{"prompt": f"I keep seeing `import {m}` in Python code. What is it for, and when would I use it?",
+             "completion": doc, "source": f"{m}:chat"} for m, doc in _module_docstrings(holdout)]
+
+
+def translate_records(holdout: bool) -> list[dict]:
+    from pydoc_data.topics import topics
+
+    rows, languages = [], ("French", "German", "Spanish")
+    for key in sorted(topics):
+        if _is_holdout(key) != holdout:
+            continue
+        # Prose paragraphs only: code and grammar blocks are indented, headings are underlined.
+        paragraphs = [p for p in topics[key].split("\n\n") if p[:1].isalpha() and not set(p.splitlines()[-1]) <= set("*=-")]
+        sentences = [s for s in map(_first_sentence, paragraphs) if 40 <= len(s) <= 300][:3]
+        for i, sentence in enumerate(sentences):
+            language = languages[zlib.crc32(f"{key}{i}".encode()) % len(languages)]
+            rows.append({"prompt": f"Translate into {language}: {sentence}", "completion": sentence,
+                         "source": f"pydoc_data.topics:{key}:translate{i}"})
+    return rows
+
+
 def builtin_corpus(name: str) -> list[dict]:
     if name not in NAMES:
         raise DraftsmithError(f"builtin:{name}: unknown built-in corpus (choose from {', '.join('builtin:' + n for n in NAMES)})")
     kind, _, split = name.partition("-")
-    rows = (code_records if kind == "code" else prose_records)(holdout=split == "holdout")
+    records = {"code": code_records, "prose": prose_records, "summarise": summarise_records,
+               "translate": translate_records, "chat": chat_records}[kind]
+    rows = records(holdout=split == "holdout")
     # Deterministic order that interleaves modules, so `max_examples` keeps a varied subset.
     return sorted(rows, key=lambda r: zlib.crc32(r["source"].encode()))

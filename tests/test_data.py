@@ -87,3 +87,19 @@ def test_builtin_corpus_splits_by_module():
     assert prose and not {r["source"] for r in prose} & {r["source"] for r in builtin_corpus("prose-holdout")}
     with pytest.raises(DraftsmithError, match="unknown built-in corpus"):
         builtin_corpus("poetry")
+
+
+def test_domain_holdouts_ship_with_python_and_split_by_source():
+    """Summarisation, translation and chat prompt sets, with no download; train and holdout never
+    share a module (summarise, chat) or a language-reference topic (translate)."""
+    from draftsmith.data.load import load_prompts
+
+    def group(r):  # the module, or the topic, a record comes from
+        return r["source"].split(":")[0].split(".")[0] if "topics" not in r["source"] else r["source"].split(":")[1]
+
+    for kind, word in (("summarise", "Summarise"), ("translate", "Translate into"), ("chat", "import")):
+        train, hold = builtin_corpus(kind), builtin_corpus(f"{kind}-holdout")
+        assert len(train) >= 50 and len(hold) >= 10, kind
+        assert not {group(r) for r in train} & {group(r) for r in hold}, kind
+        prompts = load_prompts(f"builtin:{kind}-holdout", 5)
+        assert len(prompts) == 5 and all(word in p if isinstance(p, str) else word in p[0]["content"] for p in prompts)
