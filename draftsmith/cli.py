@@ -95,7 +95,8 @@ def cmd_compare(args) -> None:
     from draftsmith.models.common import read_drafter_meta
     from draftsmith.models.target import ensure_pad, load_target
 
-    trained = [parse_drafter(d)[0] for d in args.drafter if parse_drafter(d)[0] not in ("none", "ngram")]
+    trained = [parse_drafter(d)[0] for d in args.drafter if parse_drafter(d)[0] not in ("none", "ngram")
+               and not (Path(parse_drafter(d)[0]) / "layerskip.json").is_file()]
     metas = [read_drafter_meta(Path(d)) for d in trained]  # bad folders fail before any model loads
     target_name = args.target or (metas[0]["target"] if metas else "smollm2-135m")
     target, tok = load_target(target_name, args.dtype)
@@ -105,6 +106,18 @@ def cmd_compare(args) -> None:
                       top_p=args.top_p, tree=args.tree)
     print(compare_table(reports))
     print(f"wrote {args.out}/compare.json, compare.md, compare.png")
+
+
+def cmd_layerskip(args) -> None:
+    from draftsmith.eval import selfspec
+    from draftsmith.models.target import ensure_pad, load_target
+
+    target, tok = load_target(args.target, args.dtype)
+    ensure_pad(tok)
+    choice = selfspec.calibrate(target, tok, args.data, args.k, args.num_prompts, args.max_new_tokens, args.budget)
+    out = selfspec.save(choice, target, args.target, Path(args.out))
+    print(f"skip layers {choice['skip']} on {args.data}: τ {choice['tau']:.2f}, draft cost {choice['cost_fraction']:.2f} of "
+          f"the target, estimated speedup {choice['estimated_speedup']:.2f} ({choice['evaluations']} evaluations); wrote {out}")
 
 
 def cmd_export(args) -> None:
@@ -235,6 +248,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="auto", type=dtype_arg, help=DTYPE_HELP)
     c.add_argument("--out", required=True)
     c.set_defaults(fn=cmd_compare)
+
+    ls = sub.add_parser("layerskip", help="choose target layers to skip for self-speculative drafting on a domain")
+    ls.add_argument("--target", default="smollm2-135m")
+    ls.add_argument("--data", required=True, help="holdout prompts of the domain")
+    ls.add_argument("--k", type=int, default=4)
+    ls.add_argument("--num-prompts", type=int, default=4)
+    ls.add_argument("--max-new-tokens", type=int, default=32)
+    ls.add_argument("--budget", type=int, default=60, help="candidate evaluations at most")
+    ls.add_argument("--dtype", default="auto", type=dtype_arg, help=DTYPE_HELP)
+    ls.add_argument("--out", required=True, help="a folder for layerskip.json (use it in compare as --drafter DIR)")
+    ls.set_defaults(fn=cmd_layerskip)
 
     x = sub.add_parser("export", help="write a drafter in the format vLLM / SGLang / speculators / transformers load", epilog=EXPORT_HELP, formatter_class=fmt)
     x.add_argument("drafter", help="a drafter folder (…/final)")

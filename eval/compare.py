@@ -1,7 +1,8 @@
 """`draftsmith compare`: N drafters x M holdouts in one process, on the same prompts, with the
 target-only baseline measured once per holdout -> compare.json, compare.md, compare.png.
 
-A drafter is a trained drafter folder, `ngram` or `none`, optionally with its own draft tree:
+A drafter is a trained drafter folder, a layer-skip folder (`draftsmith layerskip`), `ngram` or
+`none`; a trained one optionally with its own draft tree:
 `PATH@static:recipes/trees/medusa-4heads.json` or `PATH@dynamic:depth=3,top_k=3,tokens=8`.
 """
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from draftsmith import DraftsmithError
 from draftsmith.eval.report import LOSSLESS
+from draftsmith.eval import selfspec
 from draftsmith.eval.run import evaluate, make_baseline, target_baseline
 from draftsmith.models.registry import load_drafter, target_to_load_on
 
@@ -32,6 +34,9 @@ def compare(drafters: list[str], holdouts: list[str], target, tok, out: Path | N
         path, tree = parse_drafter(spec)
         if path in ("none", "ngram"):
             loaded.append((path, path, make_baseline(path), target, tree))
+            continue
+        if (Path(path) / selfspec.FILE).is_file():  # a training-free layer-skip choice
+            loaded.append((f"layerskip ({Path(path).name})", path, selfspec.load(path, target), target, None))
             continue
         own = target_to_load_on(target, path)
         module, dcfg, drafter = load_drafter(path, own)

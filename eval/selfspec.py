@@ -1,0 +1,133 @@
+"""Self-speculative decoding by layer skipping (Draft & Verify, Zhang et al. 2024, arXiv:2309.08168;
+SWIFT, Xia et al. 2024): the draft model is the target itself with some decoder layers skipped. It
+shares every weight with the target, needs no training, and keeps its own KV cache.
+
+`calibrate` chooses the layers for a domain: a greedy search that, round by round, adds the one
+layer whose skipping most improves the estimated speedup τ / (1 + K·c) on a few holdout prompts,
+where τ is measured with a K-token chain and c is the draft's share of the target's matmul weights
+(embeddings/lm_head included, which skipping never removes). It stops when no layer helps or after
+`budget` candidate evaluations. Layer 0 is never skipped: the draft's cache reads its length there.
+The choice is saved as a drafter folder (`layerskip.json`) that `draftsmith eval`/`compare` load.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from draftsmith import DraftsmithError
+from draftsmith.data.load import encode_prompt, load_prompts
+from draftsmith.data.regenerate import eos_ids
+from draftsmith.eval.speculative import Stats, speculative_decode
+from draftsmith.models.distill import StudentProposer
+from draftsmith.models.target import fingerprint
+
+FILE = "layerskip.json"
+
+
+def check_skip(skip, num_layers: int, where: str = "layer skip") -> list[int]:
+    skip = sorted(set(int(i) for i in skip))
+    if any(i < 0 or i >= num_layers for i in skip):
+        raise DraftsmithError(f"{where}: layers must be in 0..{num_layers - 1}, got {skip}")
+    if 0 in skip or len(skip) >= num_layers:
+        raise DraftsmithError(f"{where}: {skip} would skip layer 0 or every layer; the draft keeps layer 0 and at least one more")
+    return skip
+
+
+class SkipLayers(nn.Module):
+    """The target minus `skip` decoder layers, sharing its weights. Each forward swaps the decoder's
+    layer list for the kept layers and back, so the target itself is untouched between calls (the
+    kept layers keep their indices, so the draft's own cache holds only the layers it runs)."""
+
+    def __init__(self, target, skip: list[int]):
+        super().__init__()
+        object.__setattr__(self, "target", target)  # shared, not a submodule: nothing is copied
+        self.skip = check_skip(skip, target.config.num_hidden_layers)
+
+    @contextmanager
+    def _skipping(self):
+        decoder = self.target.get_decoder()
+        full = decoder.layers
+        decoder.layers = nn.ModuleList([layer for i, layer in enumerate(full) if i not in self.skip])
+        try:
+            yield
+        finally:
+            decoder.layers = full
+
+    def forward(self, **kwargs):
+        with self._skipping():
+            return self.target(**kwargs)
+
+    def eval(self):  # the target is already frozen and in eval mode
+        return self
+
+
+def layer_skip_proposer(target, skip: list[int]) -> StudentProposer:
+    """Chain drafting with the skipping target, with its own KV cache (as a distilled student's)."""
+    return StudentProposer(SkipLayers(target, skip))
+
+
+def cost_fraction(target, skip: list[int]) -> float:
+    """The draft's share of the target's matmul weights per token: what skipping saves."""
+    layer = sum(p.numel() for p in target.get_decoder().layers[0].parameters())
+    total = sum(p.numel() for p in target.parameters())
+    return (total - layer * len(skip)) / total
+
+
+@torch.no_grad()
+def measure_tau(target, tok, prompts: list, skip: list[int], k: int, max_new_tokens: int) -> float:
+    stats, eos = Stats(k=k), eos_ids(target, tok)
+    proposer = layer_skip_proposer(target, skip)
+    for p in prompts:
+        speculative_decode(target, proposer, p, k, max_new_tokens, eos, None, stats)
+    return stats.tau
+
+
+def calibrate(target, tok, holdout: str, k: int = 4, num_prompts: int = 4, max_new_tokens: int = 32,
+              budget: int = 60, log=print) -> dict:
+    """Greedy layer search (see the module docstring) -> {"skip", "tau", "cost_fraction", "estimated_speedup", "evaluations"}."""
+    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
+    n_layers = target.config.num_hidden_layers
+
+    def score(skip):
+        tau = measure_tau(target, tok, prompts, skip, k, max_new_tokens)
+        return tau / (1 + k * cost_fraction(target, skip)), tau
+
+    skip, evaluations = [], 0
+    best, best_tau = score(skip)
+    while evaluations < budget:
+        trials = []
+        for layer in range(1, n_layers):
+            if layer in skip or len(skip) + 1 >= n_layers - 1 or evaluations >= budget:
+                continue
+            trials.append((*score(sorted(skip + [layer])), layer))
+            evaluations += 1
+        if not trials or max(trials)[0] <= best:
+            break
+        best, best_tau, layer = max(trials)
+        skip = sorted(skip + [layer])
+        log(f"skip {skip}: τ {best_tau:.2f}, estimated speedup {best:.3f} ({evaluations} evaluations)")
+    return {"skip": skip, "tau": round(best_tau, 4), "cost_fraction": round(cost_fraction(target, skip), 4),
+            "estimated_speedup": round(best, 4), "evaluations": evaluations, "k": k, "holdout": holdout,
+            "num_prompts": len(prompts), "max_new_tokens": max_new_tokens}
+
+
+def save(choice: dict, target, target_name: str, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (FILE + ".tmp")
+    tmp.write_text(json.dumps({"drafter": "layerskip", "target": target_name, "target_fingerprint": fingerprint(target),
+                               **choice}, indent=2))
+    tmp.replace(out / FILE)
+    return out
+
+
+def load(path: str | Path, target) -> StudentProposer:
+    """A saved layer-skip choice -> its proposer; refuses another target."""
+    meta = json.loads((Path(path) / FILE).read_text())
+    if meta["target_fingerprint"] != fingerprint(target):
+        raise DraftsmithError(f"{path}: layers were chosen for target '{meta['target']}', not this one")
+    return layer_skip_proposer(target, meta["skip"])
