@@ -18,9 +18,10 @@ def _run(*args):
 
 def test_help_lists_the_contract_subcommands():
     out = _run("--help").stdout
-    for sub in ("train", "eval", "data"):
+    for sub in ("train", "eval", "data", "export", "compare", "plan", "publish", "layerskip"):
         assert sub in out
-    assert "examples:" in _run("eval", "--help").stdout
+    for sub in ("eval", "export", "compare", "plan", "publish"):
+        assert "examples:" in _run(sub, "--help").stdout, sub
 
 
 @pytest.mark.parametrize("args, message", [
@@ -28,6 +29,8 @@ def test_help_lists_the_contract_subcommands():
     (["train", "recipes/cpu/eagle-smollm2.yaml", "optim.lrr=1"], "unknown key 'lrr'; did you mean 'lr'"),
     (["eval", "--drafter", "/nonexistent", "--data", "x.jsonl", "--target", "smollm2-135m"], "not a draftsmith drafter folder"),
     (["eval", "--drafter", "none", "--data", "x.jsonl", "--tree", "dynamic:depth=two"], "--tree: bad item 'depth=two'"),
+    (["plan", "recipes/llama-3.1-8b/eagle3.yaml", "--gpus", "0"], "plan: expected --gpus >= 1"),
+    (["compare", "--drafter", "/nonexistent", "--data", "x", "--out", "o"], "not a draftsmith drafter folder"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
     r = _run(*args)
