@@ -95,8 +95,8 @@ def cmd_compare(args) -> None:
     from draftsmith.models.common import read_drafter_meta
     from draftsmith.models.target import ensure_pad, load_target
 
-    trained = [parse_drafter(d)[0] for d in args.drafter if parse_drafter(d)[0] not in ("none", "ngram")
-               and not (Path(parse_drafter(d)[0]) / "layerskip.json").is_file()]
+    paths = [parse_drafter(d)[0] for d in args.drafter]
+    trained = [p for p in paths if p not in ("none", "ngram") and not (Path(p) / "layerskip.json").is_file()]
     metas = [read_drafter_meta(Path(d)) for d in trained]  # bad folders fail before any model loads
     target_name = args.target or (metas[0]["target"] if metas else "smollm2-135m")
     target, tok = load_target(target_name, args.dtype)

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from draftsmith import DraftsmithError
 from draftsmith.models.registry import drafter_module
 from draftsmith.models.target import resolve_target
+from draftsmith.train import precision
 from draftsmith.train.config import Config, drafter_config
 
 # Configs of common targets, so a plan needs no hub access (what their config.json says).
@@ -43,6 +44,11 @@ PRESETS = {
     "fsdp": {"shard": ("weights", "grads", "optimizer"), "offload": ()},
 }
 GiB = 2**30
+
+
+def target_bytes(cfg: Config) -> int:
+    """Bytes per target parameter: 4 when the recipe pins fp32, else 2 (bf16 on GPUs that run it)."""
+    return 4 if precision.canonical(cfg.target_dtype, "target_dtype") == "float32" else 2
 
 
 def target_config(name: str, cache_dir: str = ""):
@@ -72,7 +78,7 @@ def sizes(cfg: Config, tc) -> Sizes:
     target_ids = {id(p) for p in target.parameters()}
     own = [p for p in drafter.parameters() if id(p) not in target_ids]
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    b_t = 4 if cfg.target_dtype in ("float32", "no", "fp32") else 2
+    b_t = target_bytes(cfg)
     H, I, V = tc.hidden_size, tc.intermediate_size, tc.vocab_size
     n = cfg.optim.batch_size * cfg.data.max_length  # tokens per micro-batch per rank
     names = module.feature_names(dcfg, tc)
@@ -119,7 +125,7 @@ def plan(cfg: Config, gpus: int, nodes: int = 1, preset: str | None = None, gpu_
         raise DraftsmithError(f"--preset {preset}: unknown (valid: {', '.join(PRESETS)})")
     tc = target_config(cfg.target, cfg.cache_dir)
     s = sizes(cfg, tc)
-    world, b_t = gpus * nodes, 4 if cfg.target_dtype in ("float32", "no", "fp32") else 2
+    world, b_t = gpus * nodes, target_bytes(cfg)
     tokens = (cfg.data.max_examples or 0) * cfg.data.max_length
     lines = [f"{cfg.drafter['type']} drafter for {cfg.target}: target {s.target_params / 1e9:.2f}B params, drafter "
              f"{s.drafter_params / 1e6:.1f}M own / {s.trainable_params / 1e6:.1f}M trainable; {world} rank(s); "
