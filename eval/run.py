@@ -13,7 +13,13 @@ from draftsmith.data.regenerate import eos_ids
 from draftsmith.eval.report import write_report
 from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculative_decode, target_decode, timed
 from draftsmith.models.drafts import parse_tree
+from draftsmith.models.kernels import packed_linears
 from draftsmith.train.precision import hardware
+
+
+def proposer_modules(proposer) -> list[torch.nn.Module]:
+    """The modules a proposer decodes with (its drafter, heads or student), for `packed_linears`."""
+    return [v for v in vars(proposer).values() if isinstance(v, torch.nn.Module)] if proposer is not None else []
 
 
 def make_baseline(name: str):
@@ -35,12 +41,13 @@ def divergence_gap(target, prompt: list[int], ref: list[int], generated: list[in
 def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k: int = 5, num_prompts: int = 20,
              max_new_tokens: int = 64, target_name: str = "", temperature: float = 0.0, top_p: float = 1.0,
              tree: str | None = None, baseline: list[tuple[list[int], float]] | None = None,
-             stale: dict | None = None) -> dict:
+             stale: dict | None = None, kernels: bool = True) -> dict:
     """Decode each holdout prompt target-only and speculatively; measure τ, acceptance, speed.
     proposer: a drafter's proposer (`module.make_proposer`), an NgramProposer, or None (k becomes 0).
     tree: a tree spec (models/drafts.py) instead of a chain of k drafts; k then reports the tree depth.
     baseline: target-only (output, seconds) per prompt from `target_baseline`, measured once and shared
-    by several drafters (`draftsmith compare`); by default it is measured here, prompt by prompt."""
+    by several drafters (`draftsmith compare`); by default it is measured here, prompt by prompt.
+    kernels: decode on prepacked oneDNN linears in fp32 on CPU (models/kernels.py); False = torch's default."""
     spec = parse_tree(tree) if tree else None
     if spec is not None and not hasattr(proposer, "propose_tree"):
         raise DraftsmithError(f"--tree: drafter '{name}' proposes chains only; drop --tree or use a trained drafter")
@@ -60,19 +67,22 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         return Sampler(temperature, top_p, seed, device) if temperature > 0 else None
 
     stats, ref_s, mismatches, ref_tokens, gaps = Stats(k=max(k, 1)), 0.0, 0, 0, []
-    # Warm up both paths once so one-time allocation costs do not bias the first timing.
-    target_decode(target, prompts[0][:8], max_new_tokens, eos, sampler(0))
-    speculative_decode(target, proposer, prompts[0][:8], k, max_new_tokens, eos, sampler(0), tree=spec)
-    for n, prompt in enumerate(tqdm(prompts, desc=f"eval {name}")):
-        ref, s_ref = baseline[n] if baseline else timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
-        generated, s_spec = timed(speculative_decode, target, proposer, prompt, k, max_new_tokens, eos, sampler(n), stats, spec)
-        ref_s += s_ref
-        stats.seconds += s_spec
-        ref_tokens += len(ref)
-        stats.new_tokens += len(generated)
-        mismatches += int(generated != ref)
-        if temperature == 0 and generated != ref:
-            gaps.append(round(divergence_gap(target, prompt, ref, generated), 4))
+    # Target and drafter decode on the fastest kernels of the machine (models/kernels.py), the
+    # target-only baseline included, so the speedup compares like with like.
+    with packed_linears(target, *proposer_modules(proposer), enabled=kernels):
+        # Warm up both paths once so one-time allocation costs do not bias the first timing.
+        target_decode(target, prompts[0][:8], max_new_tokens, eos, sampler(0))
+        speculative_decode(target, proposer, prompts[0][:8], k, max_new_tokens, eos, sampler(0), tree=spec)
+        for n, prompt in enumerate(tqdm(prompts, desc=f"eval {name}")):
+            ref, s_ref = baseline[n] if baseline else timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
+            generated, s_spec = timed(speculative_decode, target, proposer, prompt, k, max_new_tokens, eos, sampler(n), stats, spec)
+            ref_s += s_ref
+            stats.seconds += s_spec
+            ref_tokens += len(ref)
+            stats.new_tokens += len(generated)
+            mismatches += int(generated != ref)
+            if temperature == 0 and generated != ref:
+                gaps.append(round(divergence_gap(target, prompt, ref, generated), 4))
     target_tps, spec_tps = ref_tokens / ref_s, stats.new_tokens / stats.seconds
     report = {
         "drafter": name, "target": target_name, "holdout": holdout,
@@ -98,14 +108,15 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
 
 
 def target_baseline(target, tok, holdout: str, num_prompts: int = 20, max_new_tokens: int = 64,
-                    temperature: float = 0.0, top_p: float = 1.0, **_) -> list[tuple[list[int], float]]:
+                    temperature: float = 0.0, top_p: float = 1.0, kernels: bool = True, **_) -> list[tuple[list[int], float]]:
     """Target-only decoding of the holdout prompts: (output, seconds) per prompt, seeded as `evaluate`
     seeds them, so a shared baseline is the one `evaluate` would have measured."""
     prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
     eos, device = eos_ids(target, tok), next(target.parameters()).device
-    target_decode(target, prompts[0][:8], max_new_tokens, eos, None)  # warm-up, as in evaluate
-    return [timed(target_decode, target, p, max_new_tokens, eos,
-                  Sampler(temperature, top_p, n, device) if temperature > 0 else None) for n, p in enumerate(prompts)]
+    with packed_linears(target, enabled=kernels):
+        target_decode(target, prompts[0][:8], max_new_tokens, eos, None)  # warm-up, as in evaluate
+        return [timed(target_decode, target, p, max_new_tokens, eos,
+                      Sampler(temperature, top_p, n, device) if temperature > 0 else None) for n, p in enumerate(prompts)]
 
 
 def evaluate_drafter(module, drafter, dcfg, target, tok, holdout: str, out: Path | None, **kwargs) -> dict:

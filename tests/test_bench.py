@@ -3,13 +3,14 @@
 from draftsmith.eval.bench import verify_cost
 
 
-def test_verify_cost_prints_a_row_per_dtype(tiny_target_dir, capsys):
+def test_verify_cost_prints_a_row_per_dtype_and_kernels(tiny_target_dir, capsys):
     verify_cost.main(["--target", str(tiny_target_dir), "--dtypes", "float32", "--tokens", "1", "4", "--context", "16"])
     out = capsys.readouterr().out
-    ms_row = next(line for line in out.splitlines() if line.startswith("| float32 ms"))
-    values = [float(v) for v in ms_row.strip("|").split("|")[1:]]
-    assert len(values) == 2 and all(v > 0 for v in values)
-    assert "| float32 / n=1 | 1.00 |" in out
+    for kernels in ("default", "packed"):
+        ms_row = next(line for line in out.splitlines() if line.startswith(f"| float32, {kernels} ms"))
+        values = [float(v) for v in ms_row.strip("|").split("|")[1:]]
+        assert len(values) == 2 and all(v > 0 for v in values)
+        assert f"| float32, {kernels} / n=1 | 1.00 |" in out
 
 
 def test_precision_bench_prints_ratios_and_what_auto_picks(tiny_target_dir, capsys):

@@ -2,9 +2,11 @@
 
     python -m draftsmith.eval.bench.verify_cost --dtypes float32 bfloat16
 
-For each precision: the wall time of one target forward over n new tokens on top of a 200-token KV
-cache, for n = 1 (plain decoding) up to 32 (a large tree), median of 7, and its ratio to n = 1.
-Speculation pays only while tau grows faster than this ratio plus the drafting time.
+For each precision and each set of kernels (torch's default, and the prepacked oneDNN linears the
+eval stage decodes with in fp32 on CPU, models/kernels.py): the wall time of one target forward over
+n new tokens on top of a 200-token KV cache, for n = 1 (plain decoding) up to 32 (a large tree),
+median of 7, and its ratio to n = 1. Speculation pays only while tau grows faster than this ratio
+plus the drafting time.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import time
 import torch
 from transformers import DynamicCache
 
-from draftsmith.train.precision import dtype_arg
+from draftsmith.models.kernels import packed_linears
 from draftsmith.models.target import load_target
+from draftsmith.train.precision import describe, dtype_arg, hardware
 
 
 @torch.no_grad()
@@ -41,13 +44,18 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
     p.add_argument("--context", type=int, default=200)
     args = p.parse_args(argv)
-    print(f"| dtype | {' | '.join(f'n={n}' for n in args.tokens)} |\n|---|{'---|' * len(args.tokens)}")
+    print(f"Measured on {describe(hardware('cpu'))}")
+    print(f"| dtype, kernels | {' | '.join(f'n={n}' for n in args.tokens)} |\n|---|{'---|' * len(args.tokens)}")
     for dtype in args.dtypes:
         target, _ = load_target(args.target, dtype)
         context = torch.randint(0, target.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
-        ms = [forward_ms(target, context, n) for n in args.tokens]
-        print(f"| {dtype} ms | {' | '.join(f'{m:.1f}' for m in ms)} |")
-        print(f"| {dtype} / n=1 | {' | '.join(f'{m / ms[0]:.2f}' for m in ms)} |")
+        for kernels in ("default", "packed"):
+            with packed_linears(target, enabled=kernels == "packed") as patched:
+                if kernels == "packed" and not patched:
+                    continue  # nothing to pack (not fp32, or a torch without oneDNN)
+                ms = [forward_ms(target, context, n) for n in args.tokens]
+            print(f"| {dtype}, {kernels} ms | {' | '.join(f'{m:.1f}' for m in ms)} |")
+            print(f"| {dtype}, {kernels} / n=1 | {' | '.join(f'{m / ms[0]:.2f}' for m in ms)} |")
 
 
 if __name__ == "__main__":
