@@ -25,6 +25,7 @@ from transformers import DynamicCache
 
 from draftsmith.data.features import ShardWriter, target_features
 from draftsmith.data.load import encode_prompt, prompt_messages, read_records, require_chat_template, to_messages
+from draftsmith.train.kernels import packed_linears
 
 
 def eos_ids(target, tok) -> set[int]:
@@ -115,7 +116,9 @@ def regenerate(target, tok, data: str, out: Path, batch_size: int = 8, max_new_t
     todo = sorted(ids, key=lambda i: -len(ids[i]))
     generator = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
     eos = eos_ids(target, tok)
-    with open(partial, "a") as f:
+    # Prepacked fp32 CPU linears (train/kernels.py): decode steps feed [B, 1], a small-batch matmul
+    # that torch's default kernel runs several times slower here.
+    with open(partial, "a") as f, packed_linears(target):
         for s in tqdm(range(0, len(todo), batch_size), desc="regenerate"):
             batch = todo[s:s + batch_size]
             results = answer_batch(target, [ids[i] for i in batch], max_new_tokens, eos, tok.pad_token_id,

@@ -13,7 +13,7 @@ from draftsmith.data.regenerate import eos_ids
 from draftsmith.eval.report import write_report
 from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculative_decode, target_decode, timed
 from draftsmith.models.drafts import parse_tree
-from draftsmith.models.kernels import packed_linears
+from draftsmith.train.kernels import packed_linears
 from draftsmith.train.precision import hardware
 
 
@@ -47,7 +47,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
     tree: a tree spec (models/drafts.py) instead of a chain of k drafts; k then reports the tree depth.
     baseline: target-only (output, seconds) per prompt from `target_baseline`, measured once and shared
     by several drafters (`draftsmith compare`); by default it is measured here, prompt by prompt.
-    kernels: decode on prepacked oneDNN linears in fp32 on CPU (models/kernels.py); False = torch's default."""
+    kernels: decode on prepacked oneDNN linears in fp32 on CPU (train/kernels.py); False = torch's default."""
     spec = parse_tree(tree) if tree else None
     if spec is not None and not hasattr(proposer, "propose_tree"):
         raise DraftsmithError(f"--tree: drafter '{name}' proposes chains only; drop --tree or use a trained drafter")
@@ -67,7 +67,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         return Sampler(temperature, top_p, seed, device) if temperature > 0 else None
 
     stats, ref_s, mismatches, ref_tokens, gaps = Stats(k=max(k, 1)), 0.0, 0, 0, []
-    # Target and drafter decode on the fastest kernels of the machine (models/kernels.py), the
+    # Target and drafter decode on the fastest kernels of the machine (train/kernels.py), the
     # target-only baseline included, so the speedup compares like with like.
     with packed_linears(target, *proposer_modules(proposer), enabled=kernels):
         # Warm up both paths once so one-time allocation costs do not bias the first timing.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"data": 0, "models": 1, "eval": 2, "train": 3}
-LEAVES = {"draftsmith.train.losses", "draftsmith.train.precision", "draftsmith.train.parse"}
+LEAVES = {"draftsmith.train.losses", "draftsmith.train.precision", "draftsmith.train.parse", "draftsmith.train.kernels"}
 
 
 def _imports(path: Path) -> set[str]:
