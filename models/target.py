@@ -134,20 +134,22 @@ def ensure_pad(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
 
 
 def fingerprint(model: PreTrainedModel) -> str:
-    """A short hash of the target's architecture and a few weight tensors.
+    """A short hash of the target's architecture and of every weight tensor, sampled.
 
     A drafter is only valid for the exact target it was trained against; a fine-tuned or
-    RLHF-updated target changes these bytes. Tensors are hashed in bf16 so the fingerprint does
-    not depend on the dtype the target was loaded in.
+    RLHF-updated target changes its weights, often only some matrices (a merged LoRA update leaves
+    every norm and the embeddings as they were), so every tensor contributes ~1024 evenly strided
+    values. Values are hashed in bf16 so the fingerprint does not depend on the dtype the target was
+    loaded in, and as raw bytes (no sums) so it is the same on every machine.
     """
     c = model.config
     arch = {k: getattr(c, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
                                               "num_attention_heads", "intermediate_size")}
     h = hashlib.sha256(json.dumps(arch, sort_keys=True).encode())
     params = dict(model.named_parameters())
-    names = sorted(params)
-    for name in [names[0], names[len(names) // 2], names[-1]]:
-        t = params[name].detach().to("cpu", torch.bfloat16).contiguous()
+    for name in sorted(params):
+        flat = params[name].detach().reshape(-1)
+        t = flat[:: max(1, flat.numel() // 1024)].to("cpu", torch.bfloat16).contiguous()
         h.update(name.encode())
         h.update(t.view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]

@@ -1,5 +1,7 @@
 """The benchmark scripts run end to end on tiny models (their figures come from real runs only)."""
 
+import torch
+
 from draftsmith.eval.bench import verify_cost
 
 
@@ -21,3 +23,16 @@ def test_precision_bench_prints_ratios_and_what_auto_picks(tiny_target_dir, caps
     assert "auto picks float32" in out or "auto picks bfloat16" in out
     rows = [l for l in out.splitlines() if l.startswith("| ") and "measurement" not in l]
     assert len(rows) == 4 and all(float(l.strip("|").split("|")[3]) > 0 for l in rows)
+
+
+def test_staleness_update_makes_a_loadable_different_target(tiny_target, chat_jsonl, tmp_path):
+    from draftsmith.eval.bench.staleness import update_target
+    from draftsmith.models.target import fingerprint, load_target
+
+    target, tok = tiny_target
+    out = update_target(target, tok, str(chat_jsonl), tmp_path / "updated", steps=3, batch_size=2, lr=1e-2, rank=4)
+    updated, _ = load_target(str(out), "fp32")
+    assert fingerprint(updated) != fingerprint(target)  # a new target: the drafter is now stale
+    assert not (tmp_path / "updated.tmp").exists()
+    x = torch.tensor([[1, 2, 3, 4]])
+    assert not torch.allclose(updated(x).logits, target(x).logits)

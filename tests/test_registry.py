@@ -6,6 +6,8 @@ import pkgutil
 import yaml
 
 import draftsmith.models as models_pkg
+import torch
+
 from draftsmith.models.registry import DRAFTERS, INTERFACE
 from tests.test_config import RECIPES
 
@@ -31,3 +33,15 @@ def test_every_recipe_names_a_registered_drafter():
     for recipe in RECIPES:
         data = yaml.safe_load(recipe.read_text())
         assert data["drafter"]["type"] in DRAFTERS, recipe
+
+
+def test_fingerprint_ignores_load_dtype_and_sees_an_update_of_any_one_matrix(tiny_target_dir):
+    from draftsmith.models.target import fingerprint, load_target
+
+    fp32, _ = load_target(str(tiny_target_dir), "fp32")
+    bf16, _ = load_target(str(tiny_target_dir), "bf16")
+    assert fingerprint(fp32) == fingerprint(bf16)
+    before = fingerprint(fp32)
+    with torch.no_grad():  # what a merged LoRA update does to one projection, and nothing else
+        fp32.model.layers[-1].self_attn.v_proj.weight.add_(0.05)
+    assert fingerprint(fp32) != before
