@@ -3,11 +3,10 @@
 import importlib
 import pkgutil
 
+import torch
 import yaml
 
 import draftsmith.models as models_pkg
-import torch
-
 from draftsmith.models.registry import DRAFTERS, INTERFACE
 from tests.test_config import RECIPES
 
