@@ -56,6 +56,7 @@ def cmd_train(args) -> None:
 
 
 def cmd_eval(args) -> None:
+    from draftsmith.eval.batched import parse_batch_sizes
     from draftsmith.eval.report import format_table
     from draftsmith.eval.run import evaluate, evaluate_drafter, make_baseline
     from draftsmith.models.registry import load_drafter
@@ -68,6 +69,7 @@ def cmd_eval(args) -> None:
         parse_tree(args.tree)  # a bad spec fails before any model loads
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.k < 1:
         raise DraftsmithError("eval: expected --temperature >= 0, 0 < --top-p <= 1 and --k >= 1")
+    batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None
     target_name = args.target
     if args.drafter not in ("none", "ngram"):
         meta = read_drafter_meta(Path(args.drafter))  # fail on a bad folder before loading any model
@@ -75,7 +77,8 @@ def cmd_eval(args) -> None:
     target, tok = load_target(target_name or "smollm2-135m", args.dtype)
     ensure_pad(tok)
     common = dict(k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                  target_name=target_name or "smollm2-135m", temperature=args.temperature, top_p=args.top_p, tree=args.tree)
+                  target_name=target_name or "smollm2-135m", temperature=args.temperature, top_p=args.top_p, tree=args.tree,
+                  batch_sizes=batch_sizes)
     if args.drafter in ("none", "ngram"):
         out = Path(args.out or f"eval-{args.drafter}")
         report = evaluate(make_baseline(args.drafter), args.drafter, target, tok, args.data, out, **common)
@@ -91,10 +94,12 @@ def cmd_eval(args) -> None:
 
 
 def cmd_compare(args) -> None:
+    from draftsmith.eval.batched import parse_batch_sizes
     from draftsmith.eval.compare import compare, compare_table, parse_drafter
     from draftsmith.models.common import read_drafter_meta
     from draftsmith.models.target import ensure_pad, load_target
 
+    batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None
     paths = [parse_drafter(d)[0] for d in args.drafter]
     trained = [p for p in paths if p not in ("none", "ngram") and not (Path(p) / "layerskip.json").is_file()]
     metas = [read_drafter_meta(Path(d)) for d in trained]  # bad folders fail before any model loads
@@ -103,7 +108,7 @@ def cmd_compare(args) -> None:
     ensure_pad(tok)
     reports = compare(args.drafter, args.data, target, tok, Path(args.out), k=args.k, num_prompts=args.num_prompts,
                       max_new_tokens=args.max_new_tokens, target_name=target_name, temperature=args.temperature,
-                      top_p=args.top_p, tree=args.tree)
+                      top_p=args.top_p, tree=args.tree, batch_sizes=batch_sizes)
     print(compare_table(reports))
     print(f"wrote {args.out}/compare.json, compare.md, compare.png")
 
@@ -230,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-prompts", type=int, default=20)
     e.add_argument("--dtype", default="auto", type=dtype_arg, help=DTYPE_HELP)
     e.add_argument("--out", help="report folder (default: next to the drafter)")
+    e.add_argument("--batch-sizes", help="also measure batched decoding at these batch sizes, e.g. 1,2,4,8,16 "
+                   "(greedy, chain drafts): the batch-size curve in the report")
     e.add_argument("--allow-stale", action="store_true", help="evaluate against a target the drafter was not trained "
                    "for (e.g. after a target update); the report marks it stale")
     e.set_defaults(fn=cmd_eval)
@@ -246,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-new-tokens", type=int, default=64)
     c.add_argument("--num-prompts", type=int, default=20)
     c.add_argument("--dtype", default="auto", type=dtype_arg, help=DTYPE_HELP)
+    c.add_argument("--batch-sizes", help="also measure each drafter's batch-size curve, e.g. 1,2,4,8,16")
     c.add_argument("--out", required=True)
     c.set_defaults(fn=cmd_compare)
 
@@ -315,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(fn=cmd_features)
     c = dsub.add_parser("corpus", help="write a built-in corpus (builtin:code, builtin:prose, …-holdout) as jsonl")
     c.add_argument("name")
+    c.add_argument("--batch-sizes", help="also measure each drafter's batch-size curve, e.g. 1,2,4,8,16")
     c.add_argument("--out", required=True)
     c.set_defaults(fn=cmd_corpus)
     return p

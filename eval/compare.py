@@ -67,6 +67,21 @@ def compare_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def curve_tables(reports: list[dict]) -> str:
+    """`--batch-sizes`: speedup per batch size, one row per drafter and holdout."""
+    with_curve = [r for r in reports if r.get("batch_curve")]
+    if not with_curve:
+        return ""
+    sizes = [c["batch_size"] for c in with_curve[0]["batch_curve"]]
+    lines = ["", "## Speedup by batch size (greedy, chain drafts; batched target-only at the same B = 1.00x)", "",
+             f"| drafter | holdout | {' | '.join(f'B={b}' for b in sizes)} |", "|---|---|" + "---|" * len(sizes)]
+    for r in with_curve:
+        lines.append(f"| {r['drafter']} | {r['holdout']} | "
+                     + " | ".join(f"{c['speedup']:.2f}x (τ {c['tau']:.2f}){'' if c['lossless'] else ' NOT LOSSLESS'}"
+                                  for c in r["batch_curve"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_compare(reports: list[dict], out: Path) -> None:
     import matplotlib
 
@@ -80,7 +95,7 @@ def write_compare(reports: list[dict], out: Path) -> None:
     (tmp / "compare.md").write_text(
         f"# draftsmith compare\n\nTarget `{r0['target']}`, up to {r0['num_prompts']} prompts per holdout, temperature "
         f"{r0['temperature']}, batch size 1, one process; measured on {r0.get('device_name')} ({r0.get('dtype')}).\n\n"
-        + compare_table(reports) + "\n")
+        + compare_table(reports) + "\n" + curve_tables(reports))
     drafters = list(dict.fromkeys(r["drafter"] for r in reports))
     holdouts = list(dict.fromkeys(r["holdout"] for r in reports))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))

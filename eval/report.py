@@ -53,7 +53,19 @@ def _markdown(r: dict) -> str:
         "*sampled: outputs differ by design at temperature > 0; the rejection rule's exactness is",
         "checked as a distribution (chi-square test in draftsmith's test suite).", "",
         *_drift(r),
+        *_batch_curve(r),
     ])
+
+
+def _batch_curve(r: dict) -> list[str]:
+    """`--batch-sizes`: τ and speedup per batch size, batched target-only vs batched speculative."""
+    curve = r.get("batch_curve")
+    if not curve:
+        return []
+    return ["## Batch-size curve (greedy, chain drafts, batched verification; drafting row by row)", "",
+            "| batch size | τ | acceptance | target tok/s | spec tok/s | speedup | lossless |", "|---|---|---|---|---|---|---|",
+            *[f"| {c['batch_size']} | {c['tau']:.2f} | {c['acceptance_rate']:.2f} | {c['target_tokens_per_s']:.1f} | "
+              f"{c['spec_tokens_per_s']:.1f} | {c['speedup']:.2f}x | {LOSSLESS[c['lossless']]} |" for c in curve], ""]
 
 
 def _drift(r: dict) -> list[str]:
@@ -83,6 +95,19 @@ def _plot(r: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    if r.get("batch_curve"):
+        fig, ax = plt.subplots(figsize=(5, 3))
+        sizes = [c["batch_size"] for c in r["batch_curve"]]
+        ax.plot(sizes, [c["speedup"] for c in r["batch_curve"]], "o-", color="#3b7dd8")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speedup vs batched target-only")
+        ax.set_title(f"{r['drafter']}: speedup by batch size")
+        fig.tight_layout()
+        fig.savefig(path.with_name("batch_curve.png"), dpi=100)
+        plt.close(fig)
 
 
 def write_report(r: dict, out: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ from tqdm import tqdm
 from draftsmith import DraftsmithError
 from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.data.regenerate import eos_ids
+from draftsmith.eval.batched import batch_curve
 from draftsmith.eval.report import write_report
 from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculative_decode, target_decode, timed
 from draftsmith.models.drafts import parse_tree
@@ -41,14 +43,17 @@ def divergence_gap(target, prompt: list[int], ref: list[int], generated: list[in
 def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k: int = 5, num_prompts: int = 20,
              max_new_tokens: int = 64, target_name: str = "", temperature: float = 0.0, top_p: float = 1.0,
              tree: str | None = None, baseline: list[tuple[list[int], float]] | None = None,
-             stale: dict | None = None, kernels: bool = True) -> dict:
+             stale: dict | None = None, kernels: bool = True, batch_sizes: list[int] | None = None) -> dict:
     """Decode each holdout prompt target-only and speculatively; measure τ, acceptance, speed.
     proposer: a drafter's proposer (`module.make_proposer`), an NgramProposer, or None (k becomes 0).
     tree: a tree spec (models/drafts.py) instead of a chain of k drafts; k then reports the tree depth.
     baseline: target-only (output, seconds) per prompt from `target_baseline`, measured once and shared
     by several drafters (`draftsmith compare`); by default it is measured here, prompt by prompt.
-    kernels: decode on prepacked oneDNN linears in fp32 on CPU (train/kernels.py); False = torch's default."""
+    kernels: decode on prepacked oneDNN linears in fp32 on CPU (train/kernels.py); False = torch's default.
+    batch_sizes: also measure the batch-size curve (eval/batched.py: greedy, chain drafts of k tokens)."""
     spec = parse_tree(tree) if tree else None
+    if batch_sizes and (spec is not None or temperature > 0):
+        raise DraftsmithError("--batch-sizes: batched decoding is greedy with chain drafts; drop --tree and --temperature")
     if spec is not None and not hasattr(proposer, "propose_tree"):
         raise DraftsmithError(f"--tree: drafter '{name}' proposes chains only; drop --tree or use a trained drafter")
     depth = spec.depth if spec is not None else k
@@ -102,9 +107,25 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         # read later means nothing without it.
         **hardware(device),
     }
+    if batch_sizes:
+        report["batch_curve"] = batch_curve(target, tok, fresh_copies(proposer), prompts, batch_sizes, k,
+                                            max_new_tokens, eos, kernels)
     if out is not None:
         write_report(report, out)
     return report
+
+
+def fresh_copies(proposer):
+    """A factory of per-row proposers for batched decoding: shallow copies share the drafter's
+    weights; `reset()` gives each its own per-sequence state (KV cache, fed tokens)."""
+    if proposer is None:
+        return None
+
+    def make():
+        row = copy.copy(proposer)
+        row.reset()
+        return row
+    return make
 
 
 def target_baseline(target, tok, holdout: str, num_prompts: int = 20, max_new_tokens: int = 64,

@@ -30,6 +30,8 @@ def test_help_lists_the_contract_subcommands():
     (["eval", "--drafter", "/nonexistent", "--data", "x.jsonl", "--target", "smollm2-135m"], "not a draftsmith drafter folder"),
     (["eval", "--drafter", "none", "--data", "x.jsonl", "--tree", "dynamic:depth=two"], "--tree: bad item 'depth=two'"),
     (["plan", "recipes/llama-3.1-8b/eagle3.yaml", "--gpus", "0"], "plan: expected --gpus >= 1"),
+    (["eval", "--drafter", "none", "--data", "x.jsonl", "--batch-sizes", "1,0"], "--batch-sizes: expected positive integers"),
+    (["eval", "--drafter", "none", "--data", "x.jsonl", "--batch-sizes", "two"], "--batch-sizes: expected positive integers"),
     (["compare", "--drafter", "/nonexistent", "--data", "x", "--out", "o"], "not a draftsmith drafter folder"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
