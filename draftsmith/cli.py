@@ -20,7 +20,11 @@ EVAL_HELP = """examples:
   draftsmith eval --drafter checkpoints/eagle-smollm2/final --data builtin:code-holdout
   draftsmith eval --drafter ngram --target smollm2-135m --data holdout.jsonl --k 5
   draftsmith eval --drafter checkpoints/eagle3-smollm2/final --data builtin:code-holdout --tree dynamic:depth=5,top_k=8,tokens=48
-  draftsmith eval --drafter none --data builtin:code-holdout          (target-only baseline)"""
+  draftsmith eval --drafter none --data builtin:code-holdout          (target-only baseline)
+  draftsmith eval --drafter lookahead --data builtin:prose-holdout --k 5
+  draftsmith eval --drafter hybrid:checkpoints/eagle3-smollm2/final --data builtin:prose-holdout --k 5
+  draftsmith eval --cascade ngram,checkpoints/distill-smollm2/final --data builtin:code-holdout --k 4
+  draftsmith eval --drafter checkpoints/eagle3-smollm2/final --data builtin:code-holdout --k 3 --batch-sizes 1,2,4,8,16"""
 
 COMPARE_HELP = """examples:
   draftsmith compare --drafter checkpoints/eagle3-smollm2/final --drafter checkpoints/medusa1-smollm2/final@static:recipes/trees/medusa-4heads.json \\
@@ -57,8 +61,9 @@ def cmd_train(args) -> None:
 
 def cmd_eval(args) -> None:
     from draftsmith.eval.batched import parse_batch_sizes
+    from draftsmith.eval.compare import load_proposer, parse_drafter, trained_folders
     from draftsmith.eval.report import format_table
-    from draftsmith.eval.run import evaluate, evaluate_drafter, make_baseline
+    from draftsmith.eval.run import evaluate, evaluate_drafter
     from draftsmith.models.registry import load_drafter
     from draftsmith.models.common import read_drafter_meta
     from draftsmith.models.target import ensure_pad, fingerprint, load_target
@@ -70,24 +75,28 @@ def cmd_eval(args) -> None:
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.k < 1:
         raise DraftsmithError("eval: expected --temperature >= 0, 0 < --top-p <= 1 and --k >= 1")
     batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None
-    target_name = args.target
-    if args.drafter not in ("none", "ngram"):
-        meta = read_drafter_meta(Path(args.drafter))  # fail on a bad folder before loading any model
-        target_name = target_name or meta["target"]
+    if args.cascade:
+        args.drafter = f"cascade:{args.cascade}"
+    if not args.drafter:
+        raise DraftsmithError("eval: give --drafter (a folder, none, ngram, lookahead, hybrid:PATH) or --cascade LOW,MID")
+    path = parse_drafter(args.drafter)[0]
+    metas = [read_drafter_meta(Path(d)) for d in trained_folders(args.drafter)]  # bad folders fail before loading
+    trained = metas and trained_folders(args.drafter) == [path]  # a trained drafter on its own
+    target_name = args.target or (metas[0]["target"] if metas else None)
     target, tok = load_target(target_name or "smollm2-135m", args.dtype)
     ensure_pad(tok)
     common = dict(k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                   target_name=target_name or "smollm2-135m", temperature=args.temperature, top_p=args.top_p, tree=args.tree,
                   batch_sizes=batch_sizes)
-    if args.drafter in ("none", "ngram"):
-        out = Path(args.out or f"eval-{args.drafter}")
-        report = evaluate(make_baseline(args.drafter), args.drafter, target, tok, args.data, out, **common)
+    if not trained:  # training-free drafters and combinations (eval/compare.py `load_proposer`)
+        out = Path(args.out or f"eval-{path.split(':')[0]}")
+        label, proposer, verifier, tree = load_proposer(args.drafter, target, args.allow_stale)
+        report = evaluate(proposer, label, verifier, tok, args.data, out, **{**common, "tree": tree or args.tree})
     else:
-        module, dcfg, drafter = load_drafter(args.drafter, target, allow_stale=args.allow_stale)
-        out = Path(args.out) if args.out else Path(args.drafter).parent / "eval"
-        stale = meta["target_fingerprint"] != fingerprint(target)
-        if stale:  # allowed: the report says so, with both fingerprints
-            common["stale"] = {"trained_for": meta["target_fingerprint"], "evaluated_on": fingerprint(target)}
+        module, dcfg, drafter = load_drafter(path, target, allow_stale=args.allow_stale)
+        out = Path(args.out) if args.out else Path(path).parent / "eval"
+        if metas[0]["target_fingerprint"] != fingerprint(target):  # allowed: the report says so, with both fingerprints
+            common["stale"] = {"trained_for": metas[0]["target_fingerprint"], "evaluated_on": fingerprint(target)}
         report = evaluate_drafter(module, drafter, dcfg, target, tok, args.data, out, **common)
     print(format_table([report]))
     print(f"wrote {out}/report.json, report.md, acceptance.png")
@@ -95,14 +104,12 @@ def cmd_eval(args) -> None:
 
 def cmd_compare(args) -> None:
     from draftsmith.eval.batched import parse_batch_sizes
-    from draftsmith.eval.compare import compare, compare_table, parse_drafter
+    from draftsmith.eval.compare import compare, compare_table, trained_folders
     from draftsmith.models.common import read_drafter_meta
     from draftsmith.models.target import ensure_pad, load_target
 
     batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None
-    paths = [parse_drafter(d)[0] for d in args.drafter]
-    trained = [p for p in paths if p not in ("none", "ngram") and not (Path(p) / "layerskip.json").is_file()]
-    metas = [read_drafter_meta(Path(d)) for d in trained]  # bad folders fail before any model loads
+    metas = [read_drafter_meta(Path(p)) for d in args.drafter for p in trained_folders(d)]  # bad folders fail early
     target_name = args.target or (metas[0]["target"] if metas else "smollm2-135m")
     target, tok = load_target(target_name, args.dtype)
     ensure_pad(tok)
@@ -223,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_train)
 
     e = sub.add_parser("eval", help="measure acceptance and speedup of a drafter on a holdout", epilog=EVAL_HELP, formatter_class=fmt)
-    e.add_argument("--drafter", required=True, help="a drafter folder (…/final), 'ngram' or 'none'")
+    e.add_argument("--drafter", help="a drafter folder (…/final) or layer-skip folder, none, ngram, lookahead, hybrid:PATH")
+    e.add_argument("--cascade", help="LOW,MID: LOW (ngram or a student folder) drafts for MID (a student or layer-skip "
+                   "folder), whose greedy continuation the target verifies")
     e.add_argument("--target", help="target id/path/alias (default: the one the drafter was trained for)")
     e.add_argument("--data", required=True, help="holdout: jsonl/json/parquet path or builtin:code-holdout")
     e.add_argument("--k", type=int, default=5, help="draft tokens per verification pass")
@@ -243,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compare", help="N drafters x M holdouts in one table (same prompts, one process)",
                        epilog=COMPARE_HELP, formatter_class=fmt)
-    c.add_argument("--drafter", action="append", required=True, help="a drafter folder, ngram or none; PATH@TREE for a tree")
+    c.add_argument("--drafter", action="append", required=True, help="a drafter folder (PATH@TREE for a tree), a layer-skip "
+                   "folder, none, ngram, lookahead, hybrid:PATH or cascade:LOW,MID")
     c.add_argument("--data", action="append", required=True, help="a holdout (repeat for several domains)")
     c.add_argument("--target", help="default: the first trained drafter's target")
     c.add_argument("--k", type=int, default=5)

@@ -1,9 +1,10 @@
 """`draftsmith compare`: N drafters x M holdouts in one process, on the same prompts, with the
 target-only baseline measured once per holdout -> compare.json, compare.md, compare.png.
 
-A drafter is a trained drafter folder, a layer-skip folder (`draftsmith layerskip`), `ngram` or
-`none`; a trained one optionally with its own draft tree:
-`PATH@static:recipes/trees/medusa-4heads.json` or `PATH@dynamic:depth=3,top_k=3,tokens=8`.
+A drafter is anything `load_proposer` resolves: a trained drafter folder, a layer-skip folder
+(`draftsmith layerskip`), `none`, `ngram`, `lookahead`, `hybrid:PATH` or `cascade:LOW,MID`; a trained
+one optionally with its own draft tree: `PATH@static:recipes/trees/medusa-4heads.json` or
+`PATH@dynamic:depth=3,top_k=3,tokens=8`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from pathlib import Path
 from draftsmith import DraftsmithError
 from draftsmith.eval.report import LOSSLESS
 from draftsmith.eval import selfspec
+from draftsmith.eval.cascade import build_cascade, parse_cascade
+from draftsmith.eval.lookahead import HybridProposer, LookaheadProposer
 from draftsmith.eval.run import evaluate, make_baseline, target_baseline
+from draftsmith.eval.speculative import NgramProposer
 from draftsmith.models.registry import load_drafter, target_to_load_on
 
 
@@ -25,28 +29,59 @@ def parse_drafter(spec: str) -> tuple[str, str | None]:
     return path, tree or None
 
 
+TRAINING_FREE = "none, ngram, lookahead, hybrid:PATH, cascade:LOW,MID, a layer-skip folder"
+
+
+def trained_folders(spec: str) -> list[str]:
+    """The trained drafter folders a drafter spec names (to read their metadata before loading any model)."""
+    path = parse_drafter(spec)[0]
+    if path.startswith("hybrid:"):
+        return trained_folders(path.removeprefix("hybrid:"))
+    if path.startswith("cascade:"):
+        return [p for level in parse_cascade(path.removeprefix("cascade:")) for p in trained_folders(level)]
+    if path in ("none", "ngram", "lookahead") or (Path(path) / selfspec.FILE).is_file():
+        return []
+    return [path]
+
+
+def load_proposer(spec: str, target, allow_stale: bool = False) -> tuple[str, object, object, str | None]:
+    """Every drafter a user can name -> (label, proposer, verifier, tree spec or None):
+    - `none` (target-only), `ngram` (prompt lookup), `lookahead` (Jacobi + n-gram pool, eval/lookahead.py);
+    - `hybrid:PATH`: prompt lookup when the context repeats itself, the trained drafter at PATH otherwise;
+    - `cascade:LOW,MID`: LOW (`ngram` or a student folder) drafts for MID (a distilled student or a
+      layer-skip folder), whose greedy continuation the target verifies (eval/cascade.py);
+    - a layer-skip folder (`draftsmith layerskip`), or a trained drafter folder, `PATH@TREE` for a tree.
+    The verifier is the target, except for a drafter that trained its backbone (Medusa-2)."""
+    path, tree = parse_drafter(spec)
+    if path in ("none", "ngram"):
+        return path, make_baseline(path), target, tree
+    if path == "lookahead":
+        return path, LookaheadProposer(), target, None
+    if path.startswith("hybrid:"):
+        _, model, verifier, tree = load_proposer(path.removeprefix("hybrid:") + (f"@{tree}" if tree else ""), target, allow_stale)
+        return f"hybrid ({Path(path[7:]).parent.name or path[7:]})", HybridProposer(NgramProposer(), model), verifier, tree
+    if path.startswith("cascade:"):
+        names = parse_cascade(path.removeprefix("cascade:"))
+        levels = [NgramProposer() if n == "ngram" else load_proposer(n, target, allow_stale)[1] for n in names]
+        return f"cascade ({', '.join(Path(n).parent.name if Path(n).name == 'final' else Path(n).name for n in names)})", \
+            build_cascade(levels, names, target), target, None
+    if (Path(path) / selfspec.FILE).is_file():  # a training-free layer-skip choice
+        return f"layerskip ({Path(path).name})", selfspec.load(path, target), target, None
+    own = target_to_load_on(target, path)
+    module, dcfg, drafter = load_drafter(path, own, allow_stale)
+    verifier = module.verifier(drafter, own)
+    return f"{module.NAME} ({Path(path).parent.name or path})", module.make_proposer(drafter, verifier, dcfg), verifier, tree
+
+
 def compare(drafters: list[str], holdouts: list[str], target, tok, out: Path | None, **kwargs) -> list[dict]:
     """kwargs: evaluate's flags (k, num_prompts, max_new_tokens, temperature, top_p, tree, target_name)."""
     if not drafters or not holdouts:
         raise DraftsmithError("compare: give at least one --drafter and one --data")
-    loaded = []
-    for spec in drafters:
-        path, tree = parse_drafter(spec)
-        if path in ("none", "ngram"):
-            loaded.append((path, path, make_baseline(path), target, tree))
-            continue
-        if (Path(path) / selfspec.FILE).is_file():  # a training-free layer-skip choice
-            loaded.append((f"layerskip ({Path(path).name})", path, selfspec.load(path, target), target, None))
-            continue
-        own = target_to_load_on(target, path)
-        module, dcfg, drafter = load_drafter(path, own)
-        verifier = module.verifier(drafter, own)
-        label = f"{module.NAME} ({Path(path).parent.name or path})"
-        loaded.append((label, path, module.make_proposer(drafter, verifier, dcfg), verifier, tree))
+    loaded = [(parse_drafter(spec)[0], *load_proposer(spec, target)) for spec in drafters]
     reports = []
     for holdout in holdouts:
         shared = target_baseline(target, tok, holdout, **kwargs)  # target-only, once per holdout
-        for label, path, proposer, verifier, tree in loaded:
+        for path, label, proposer, verifier, tree in loaded:
             # A drafter verified by its own trained backbone (Medusa-2) needs that backbone's baseline.
             run = {**kwargs, "tree": tree or (kwargs.get("tree") if hasattr(proposer, "propose_tree") else None)}
             r = evaluate(proposer, label, verifier, tok, holdout, None, **run,

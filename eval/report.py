@@ -53,8 +53,23 @@ def _markdown(r: dict) -> str:
         "*sampled: outputs differ by design at temperature > 0; the rejection rule's exactness is",
         "checked as a distribution (chi-square test in draftsmith's test suite).", "",
         *_drift(r),
+        *_levels(r),
         *_batch_curve(r),
     ])
+
+
+def _levels(r: dict) -> list[str]:
+    """Cascades: τ at each level; hybrids: where the drafts came from."""
+    out = []
+    if r.get("levels"):
+        lv = r["levels"]
+        out += ["## Cascade levels", "",
+                f"Target level: τ {r['tau']:.2f} (tokens per target pass). Intermediate level: τ {lv['mid_tau']:.2f} "
+                f"(tokens per intermediate pass), {lv['mid_passes_per_round']:.2f} intermediate passes per target pass; "
+                f"the cheap level's drafts were accepted by the intermediate at rate {lv['low_acceptance_rate']:.2f}.", ""]
+    if r.get("draft_sources"):
+        out += [f"Hybrid drafts by source: {', '.join(f'{k} {v}' for k, v in r['draft_sources'].items())}.", ""]
+    return out
 
 
 def _batch_curve(r: dict) -> list[str]:

@@ -20,8 +20,15 @@ from draftsmith.train.precision import hardware
 
 
 def proposer_modules(proposer) -> list[torch.nn.Module]:
-    """The modules a proposer decodes with (its drafter, heads or student), for `packed_linears`."""
-    return [v for v in vars(proposer).values() if isinstance(v, torch.nn.Module)] if proposer is not None else []
+    """The modules a proposer decodes with (its drafter, heads or student, and those of the proposers
+    it combines: hybrid, cascade), for `packed_linears`."""
+    found = []
+    for value in (vars(proposer).values() if proposer is not None else ()):
+        if isinstance(value, torch.nn.Module):
+            found.append(value)
+        elif hasattr(value, "propose"):
+            found += proposer_modules(value)
+    return found
 
 
 def make_baseline(name: str):
@@ -78,6 +85,9 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         # Warm up both paths once so one-time allocation costs do not bias the first timing.
         target_decode(target, prompts[0][:8], max_new_tokens, eos, sampler(0))
         speculative_decode(target, proposer, prompts[0][:8], k, max_new_tokens, eos, sampler(0), tree=spec)
+        if hasattr(proposer, "reset_stats"):  # proposers that count their own levels (cascades) skip the warm-up
+            proposer.reset_stats()
+        sources = dict(getattr(proposer, "rounds", {}))  # a hybrid counts its drafts by source
         for n, prompt in enumerate(tqdm(prompts, desc=f"eval {name}")):
             ref, s_ref = baseline[n] if baseline else timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
             generated, s_spec = timed(speculative_decode, target, proposer, prompt, k, max_new_tokens, eos, sampler(n), stats, spec)
@@ -107,6 +117,10 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         # read later means nothing without it.
         **hardware(device),
     }
+    if hasattr(proposer, "level_stats"):  # a cascade: τ and acceptance at each level
+        report["levels"] = proposer.level_stats()
+    if sources:  # a hybrid: how many drafts of this eval came from each source
+        report["draft_sources"] = {src: n - sources[src] for src, n in proposer.rounds.items()}
     if batch_sizes:
         report["batch_curve"] = batch_curve(target, tok, fresh_copies(proposer), prompts, batch_sizes, k,
                                             max_new_tokens, eos, kernels)

@@ -208,6 +208,10 @@ def speculative_decode(target, proposer, prompt: list[int], k: int, max_new: int
         feats = {n: torch.cat([feats[n], new_feats[n][:, rows]], dim=1) for n in names}
         budget = max_new - (len(tokens) - len(prompt))
         new = _truncate(new[:budget], eos)
+        # Some training-free drafters learn from the target's outputs on their own nodes (lookahead
+        # decoding's Jacobi step, eval/lookahead.py): logits[0] row 0 = after the root, 1+i = after node i.
+        if hasattr(proposer, "observe"):
+            proposer.observe(draft, logits[0], path, new)
         tokens += new
         if stats is not None:
             stats.record(len(draft.tokens), min(len(path), len(new)), len(new), draft.max_depth)

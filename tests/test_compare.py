@@ -57,3 +57,27 @@ def test_compare_gives_the_numbers_separate_evals_give(tiny_target_dir, chat_jso
     alone = evaluate(make_baseline("ngram"), "ngram", target, tok, str(chat_jsonl), None, **flags)
     for key in ("tau", "acceptance_rate", "per_position", "new_tokens", "lossless"):
         assert together[key] == alone[key], key
+
+
+def test_training_free_and_combined_drafters_by_name_are_lossless(tiny_target_dir, chat_jsonl, tmp_path, capsys):
+    """`lookahead`, `hybrid:PATH` and `cascade:LOW,MID` resolve in compare and in eval (same numbers
+    as separate eval runs is the first test's contract; here: every name loads and stays lossless)."""
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+    from tests.test_train import _overrides
+
+    student = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{
+        "drafter.type": "distill", "drafter.num_layers": 1, "optim.max_steps": 2, "run": "student"}))) / "final"
+    out = tmp_path / "cmp"
+    flags = ["--data", str(chat_jsonl), "--k", "2", "--num-prompts", "2", "--max-new-tokens", "8"]
+    assert main(["compare", "--drafter", "lookahead", "--drafter", f"hybrid:{student}", "--drafter",
+                 f"cascade:ngram,{student}", *flags, "--out", str(out)]) == 0
+    reports = json.loads((out / "compare.json").read_text())
+    assert [r["drafter"].split(" ")[0] for r in reports] == ["lookahead", "hybrid", "cascade"]
+    assert all(r["lossless"] for r in reports)
+    assert sum(reports[1]["draft_sources"].values()) > 0 and reports[2]["levels"]["rounds"] > 0
+    assert main(["eval", "--cascade", f"ngram,{student}", *flags, "--out", str(tmp_path / "ev")]) == 0
+    report = json.loads((tmp_path / "ev" / "report.json").read_text())
+    assert report["lossless"] and "Cascade levels" in (tmp_path / "ev" / "report.md").read_text()
+    assert main(["eval", "--cascade", f"{student},ngram", *flags, "--out", str(tmp_path / "bad")]) == 1
+    assert "level 2 'ngram' cannot verify drafts" in capsys.readouterr().err
