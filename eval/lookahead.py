@@ -43,6 +43,7 @@ drafter otherwise (the rule is in its docstring).
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import deque
 
@@ -161,17 +162,16 @@ class LookaheadProposer:
             if budget is None or len(nodes) + len(more) <= budget:
                 grams.append(gram)
                 nodes |= more
-        # n-grams first: under sampling the verify rule tries siblings in node order, likeliest first.
+        # n-grams before the window: under sampling siblings are tried in node order, and a pool n-gram
+        # (seen in the text or along a Jacobi trajectory) is a better bet than a window still converging.
         draft, index = trie_draft(grams + [window])
         self.pending = ((len(seq), window), [index[tuple(window[:d])] for d in range(1, length + 1)])
         return draft
 
-    @torch.no_grad()
     def propose(self, tokens: torch.Tensor, feats, k: int, sampler=None) -> Draft:
         """A draft at most k deep (the engine's chain length); deterministic nodes (qs = None)."""
         return self._draft(tokens[0].tolist(), k, None)
 
-    @torch.no_grad()
     def propose_tree(self, tokens: torch.Tensor, feats, spec) -> Draft:
         """The same draft, at most spec.depth deep and spec.tokens nodes; top_k and shape are unused."""
         return self._draft(tokens[0].tolist(), spec.depth, spec.tokens)
@@ -238,6 +238,11 @@ class HybridProposer:
     def reset(self) -> None:
         self.lookup.reset()
         self.model.reset()
+
+    def __copy__(self) -> "HybridProposer":
+        """Batched decoding makes one proposer per row by copy + reset (eval/run.py `fresh_copies`): each
+        copy needs its own model proposer (own KV cache), sharing only the weights."""
+        return HybridProposer(copy.copy(self.lookup), copy.copy(self.model), self.min_match)
 
     def choose(self, seq: list[int], depth: int) -> list[int] | None:
         """The lookup chain if the rule picks it (see the class docstring), else None."""
