@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--k", type=int, default=4)
     ls.add_argument("--num-prompts", type=int, default=4)
     ls.add_argument("--max-new-tokens", type=int, default=32)
-    ls.add_argument("--budget", type=int, default=60, help="candidate evaluations at most")
+    ls.add_argument("--budget", type=int, default=300, help="candidate skip sets scored at most (one teacher-forced pass each)")
     ls.add_argument("--dtype", default="auto", type=dtype_arg, help=DTYPE_HELP)
     ls.add_argument("--out", required=True, help="a folder for layerskip.json (use it in compare as --drafter DIR)")
     ls.set_defaults(fn=cmd_layerskip)

@@ -4,9 +4,15 @@ shares every weight with the target, needs no training, and keeps its own KV cac
 
 `calibrate` chooses the layers for a domain: a greedy search that, round by round, adds the one
 layer whose skipping most improves the estimated speedup τ / (1 + K·c) on a few holdout prompts,
-where τ is measured with a K-token chain and c is the draft's share of the target's matmul weights
-(embeddings/lm_head included, which skipping never removes). It stops when no layer helps or after
-`budget` candidate evaluations. Layer 0 is never skipped: the draft's cache reads its length there.
+where c is the draft's share of the target's matmul weights (embeddings/lm_head included, which
+skipping never removes) and τ is the greedy K-chain τ, computed without decoding: the target's
+greedy answers are decoded once; then one teacher-forced pass of the skipping model over
+[prompt + answer] tells, at every answer position, whether its argmax equals the target's token.
+While drafts are accepted the draft model's context *is* the target's answer, so a round starting
+at position p accepts the run of agreements from p (at most K) and emits one more token; replaying
+the rounds over the agreement sequence gives exactly the τ greedy speculative decoding measures
+(tested), at the cost of one forward per candidate instead of a decode. It stops when no layer
+helps or after `budget` candidates. Layer 0 is never skipped: the draft's cache reads its length there.
 The choice is saved as a drafter folder (`layerskip.json`) that `draftsmith eval`/`compare` load.
 """
 
@@ -22,7 +28,7 @@ from torch import nn
 from draftsmith import DraftsmithError
 from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.data.regenerate import eos_ids
-from draftsmith.eval.speculative import Stats, speculative_decode
+from draftsmith.eval.speculative import Stats, speculative_decode, target_decode
 from draftsmith.models.distill import StudentProposer
 from draftsmith.models.target import fingerprint
 
@@ -80,6 +86,7 @@ def cost_fraction(target, skip: list[int]) -> float:
 
 @torch.no_grad()
 def measure_tau(target, tok, prompts: list, skip: list[int], k: int, max_new_tokens: int) -> float:
+    """τ of greedy K-chain speculative decoding with the skipping draft, decoded for real."""
     stats, eos = Stats(k=k), eos_ids(target, tok)
     proposer = layer_skip_proposer(target, skip)
     for p in prompts:
@@ -87,14 +94,41 @@ def measure_tau(target, tok, prompts: list, skip: list[int], k: int, max_new_tok
     return stats.tau
 
 
+@torch.no_grad()
+def agreement(target, skip: list[int], prompt: list[int], answer: list[int]) -> list[bool]:
+    """Teacher-forced: at each answer position j, does the skipping model's argmax after
+    prompt + answer[:j] equal answer[j]? (Row len(prompt)-1+j of the logits predicts answer[j].)"""
+    ids = torch.tensor([prompt + answer[:-1]], device=next(target.parameters()).device)
+    logits = SkipLayers(target, skip)(input_ids=ids, logits_to_keep=len(answer)).logits[0]
+    return (logits.argmax(-1).cpu() == torch.tensor(answer)).tolist()
+
+
+def replay_tau(agree: list[bool], k: int) -> tuple[int, int]:
+    """Greedy K-chain rounds over one answer -> (tokens emitted, target passes). A round at position
+    p accepts the drafts while they agree (at most k) and adds the target's own token; the last round
+    may stop early at the end of the answer, as decoding stops at its budget or EOS."""
+    p, passes = 0, 0
+    while p < len(agree):
+        accepted = 0
+        while accepted < k and p + accepted < len(agree) and agree[p + accepted]:
+            accepted += 1
+        p += accepted + 1
+        passes += 1
+    return len(agree), passes
+
+
 def calibrate(target, tok, holdout: str, k: int = 4, num_prompts: int = 4, max_new_tokens: int = 32,
-              budget: int = 60, log=print) -> dict:
+              budget: int = 300, log=print) -> dict:
     """Greedy layer search (see the module docstring) -> {"skip", "tau", "cost_fraction", "estimated_speedup", "evaluations"}."""
     prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
-    n_layers = target.config.num_hidden_layers
+    n_layers, eos = target.config.num_hidden_layers, eos_ids(target, tok)
+    # The first emitted token comes from the prefill, not from a verification pass: rounds start after it.
+    answers = [target_decode(target, p, max_new_tokens, eos) for p in prompts]
+    pairs = [(p + a[:1], a[1:]) for p, a in zip(prompts, answers) if len(a) > 1]
 
     def score(skip):
-        tau = measure_tau(target, tok, prompts, skip, k, max_new_tokens)
+        runs = [replay_tau(agreement(target, skip, p, a), k) for p, a in pairs]
+        tau = sum(e for e, _ in runs) / max(sum(n for _, n in runs), 1)
         return tau / (1 + k * cost_fraction(target, skip)), tau
 
     skip, evaluations = [], 0

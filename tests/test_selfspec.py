@@ -52,3 +52,23 @@ def test_calibration_picks_layers_saves_them_and_compare_loads_them(deep_target,
     assert json.loads((out / "layerskip.json").read_text())["skip"] == choice["skip"]
     reports = compare([str(out)], [str(chat_jsonl)], target, tok, None, k=2, num_prompts=2, max_new_tokens=8)
     assert reports[0]["drafter"].startswith("layerskip") and reports[0]["lossless"]
+
+
+def test_teacher_forced_tau_equals_decoded_tau(deep_target, chat_jsonl):
+    """Calibration scores skip sets without decoding; for greedy chains its τ is exactly the τ that
+    speculative decoding measures (drafts accepted so far are the target's own tokens)."""
+    from draftsmith.data.load import encode_prompt, load_prompts
+
+    target, tok, _ = deep_target
+    prompts = [encode_prompt(tok, p) for p in load_prompts(str(chat_jsonl), 3)]
+    for skip, k in (([1], 2), ([1, 3], 3), ([2], 4)):
+        decoded = selfspec.measure_tau(target, tok, prompts, skip, k, 16)
+        runs = []
+        for p in prompts:
+            answer = target_decode(target, p, 16, set())
+            runs.append(selfspec.replay_tau(selfspec.agreement(target, skip, p + answer[:1], answer[1:]), k))
+        assert sum(e for e, _ in runs) / sum(n for _, n in runs) == pytest.approx(decoded)
+    # k=2 over [T, T, F, T, T, T]: accept 2 + the target's token (p=3), accept 2 + 1 (p=6): 2 passes.
+    assert selfspec.replay_tau([True, True, False, True, True, True], 2) == (6, 2)
+    # [T, F, F, T]: accept 1 + 1 (p=2), accept 0 + 1 (p=3), accept the last agreement and stop: 3 passes.
+    assert selfspec.replay_tau([True, False, False, True], 2) == (4, 3)
