@@ -2,17 +2,19 @@
 SWIFT, Xia et al. 2024): the draft model is the target itself with some decoder layers skipped. It
 shares every weight with the target, needs no training, and keeps its own KV cache.
 
-`calibrate` chooses the layers for a domain: a greedy search that, round by round, adds the one
-layer whose skipping most improves the estimated speedup τ / (1 + K·c) on a few holdout prompts,
-where c is the draft's share of the target's matmul weights (embeddings/lm_head included, which
+`calibrate` chooses the layers for a domain, maximising the estimated speedup τ / (1 + K·c) on a few
+holdout prompts: it ranks the layers by the τ left when each is skipped alone, then skips the n
+least harmful ones together for n = 1, 2, ... and keeps the best n (at least one layer; at most
+`budget` candidates scored, L - 1 of them for the ranking). c is the draft's share of the target's matmul weights (embeddings/lm_head included, which
 skipping never removes) and τ is the greedy K-chain τ, computed without decoding: the target's
 greedy answers are decoded once; then one teacher-forced pass of the skipping model over
 [prompt + answer] tells, at every answer position, whether its argmax equals the target's token.
 While drafts are accepted the draft model's context *is* the target's answer, so a round starting
 at position p accepts the run of agreements from p (at most K) and emits one more token; replaying
 the rounds over the agreement sequence gives exactly the τ greedy speculative decoding measures
-(tested), at the cost of one forward per candidate instead of a decode. It stops when no layer
-helps or after `budget` candidates. Layer 0 is never skipped: the draft's cache reads its length there.
+(tested), at the cost of one forward per candidate instead of a decode. Layer 0 is never skipped:
+the draft's cache reads its length there. The estimate ignores that verification costs more than one
+target forward; `draftsmith eval`/`compare` on the saved choice measure the real speedup.
 The choice is saved as a drafter folder (`layerskip.json`) that `draftsmith eval`/`compare` load.
 """
 
@@ -119,7 +121,7 @@ def replay_tau(agree: list[bool], k: int) -> tuple[int, int]:
 
 def calibrate(target, tok, holdout: str, k: int = 4, num_prompts: int = 4, max_new_tokens: int = 32,
               budget: int = 300, log=print) -> dict:
-    """Greedy layer search (see the module docstring) -> {"skip", "tau", "cost_fraction", "estimated_speedup", "evaluations"}."""
+    """Layer search (see the module docstring) -> {"skip", "tau", "cost_fraction", "estimated_speedup", "evaluations"}."""
     prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
     n_layers, eos = target.config.num_hidden_layers, eos_ids(target, tok)
     # The first emitted token comes from the prefill, not from a verification pass: rounds start after it.
@@ -131,20 +133,24 @@ def calibrate(target, tok, holdout: str, k: int = 4, num_prompts: int = 4, max_n
         tau = sum(e for e, _ in runs) / max(sum(n for _, n in runs), 1)
         return tau / (1 + k * cost_fraction(target, skip)), tau
 
-    skip, evaluations = [], 0
-    best, best_tau = score(skip)
-    while evaluations < budget:
-        trials = []
-        for layer in range(1, n_layers):
-            if layer in skip or len(skip) + 1 >= n_layers - 1 or evaluations >= budget:
-                continue
-            trials.append((*score(sorted(skip + [layer])), layer))
-            evaluations += 1
-        if not trials or max(trials)[0] <= best:
+    # 1. Importance: τ with each layer skipped alone (the least harmful layers come first).
+    candidates = list(range(1, n_layers))[:budget]
+    alone = {layer: score([layer])[1] for layer in candidates}
+    order = sorted(candidates, key=lambda layer: -alone[layer])
+    evaluations = len(candidates)
+    # 2. Skip the n least harmful layers together, n = 1, 2, ...; keep the n with the best estimated
+    # speedup. One layer at a time rarely pays for itself (it saves 1/L of the cost and loses some
+    # τ), so the search walks the whole order instead of stopping at the first step that does not help.
+    skip, best_tau = order[:1], alone[order[0]]
+    best = best_tau / (1 + k * cost_fraction(target, skip))
+    for n in range(2, len(order)):
+        if evaluations >= budget:
             break
-        best, best_tau, layer = max(trials)
-        skip = sorted(skip + [layer])
-        log(f"skip {skip}: τ {best_tau:.2f}, estimated speedup {best:.3f} ({evaluations} evaluations)")
+        estimate, tau = score(order[:n])
+        evaluations += 1
+        if estimate > best:
+            best, best_tau, skip = estimate, tau, sorted(order[:n])
+            log(f"skip {skip}: τ {tau:.2f}, estimated speedup {estimate:.3f} ({evaluations} evaluations)")
     return {"skip": skip, "tau": round(best_tau, 4), "cost_fraction": round(cost_fraction(target, skip), 4),
             "estimated_speedup": round(best, 4), "evaluations": evaluations, "k": k, "holdout": holdout,
             "num_prompts": len(prompts), "max_new_tokens": max_new_tokens}
