@@ -5,6 +5,7 @@
 #   ./launch.sh RECIPE.yaml --gpus 8 [key=value ...]                     DDP on 8 local GPUs (NCCL)
 #   ./launch.sh RECIPE.yaml --preset zero2 --gpus 8                      a preset from recipes/accelerate/
 #   ./launch.sh RECIPE.yaml --cpu-procs 2 [key=value ...]                2 CPU processes over gloo
+#   ./launch.sh RECIPE.yaml --preset zero3 --cpu-procs 2                 DeepSpeed ZeRO-3 on 2 CPU processes
 #   ./launch.sh RECIPE.yaml --gpus 8 --nodes 2 --node-rank 0 --main-addr 10.0.0.1   multi-node, per node
 #   srun --nodes 2 --ntasks-per-node 1 ./launch.sh RECIPE.yaml --preset multi-node   SLURM (reads SLURM_*)
 #   ./launch.sh ... --dry-run                                            print the command, run nothing
@@ -13,7 +14,7 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 [ $# -ge 1 ] || usage 2
 case "$1" in -h|--help) usage 0 ;; esac
 
@@ -63,8 +64,15 @@ fi
 args=(--num_machines "$nodes" --machine_rank "$node_rank" --main_process_ip "$main_addr" --main_process_port "$main_port" --dynamo_backend no)
 if [ -n "$acc_config" ]; then
   args=(--config_file "$acc_config" "${args[@]}")
+  # A DeepSpeed preset names its JSON relative to this folder: pass it absolute so any cwd works.
+  ds_json=$(sed -n 's/^ *deepspeed_config_file: *//p' "$acc_config")
+  if [ -n "$ds_json" ] && [ "${ds_json#/}" = "$ds_json" ]; then args+=(--deepspeed_config_file "$here/$ds_json"); fi
   if [ "$gpus" -gt 0 ]; then args+=(--num_processes $((gpus * nodes)))
-  elif [ "$cpu_procs" -gt 0 ]; then args+=(--num_processes "$cpu_procs"); fi
+  elif [ "$cpu_procs" -gt 0 ]; then
+    # DeepSpeed presets run on CPUs too (gloo; see make_accelerator in train/loop.py).
+    args+=(--num_processes "$cpu_procs")
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  fi
 elif [ "$gpus" -gt 0 ]; then
   args+=(--multi_gpu --num_processes $((gpus * nodes)))
 elif [ "$cpu_procs" -gt 1 ]; then

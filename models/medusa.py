@@ -241,7 +241,10 @@ class Medusa2(nn.Module):
             h, trained = h0, None
         logits = self.heads([h[b, t] for b, t in rows])
         if not joint:  # every trainable parameter must get a gradient for DDP; a zero one changes nothing
-            anchor = sum(p.sum() for n, p in self.named_parameters() if p.requires_grad and not n.startswith("heads."))
+            # (DeepSpeed ZeRO does not need the anchor, and under ZeRO-3 a parameter read outside its
+            # module's forward is an empty shard: `ds_id` marks ZeRO-managed parameters.)
+            anchor = sum(p.sum() for n, p in self.named_parameters()
+                         if p.requires_grad and not n.startswith("heads.") and not hasattr(p, "ds_id"))
             logits[0] = logits[0] + 0.0 * anchor
         return logits, trained, teacher
 

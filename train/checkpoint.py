@@ -1,6 +1,8 @@
 """Resumable checkpoints: `step-NNNNNN/` = accelerate state (weights, optimizer, scheduler, RNG of
-every rank) + trainer_state.json (step, data position) + resolved config. Written to a `.tmp`
-folder and renamed, so a crash never leaves a half-written `step-*` behind."""
+every rank) + trainer_state.json (step, data position, processes, ZeRO stage) + resolved config.
+Written to a `.tmp` folder and renamed, so a crash never leaves a half-written `step-*` behind.
+Under DeepSpeed the weights and optimizer state are the engine's own checkpoint (`pytorch_model/`,
+one shard per rank under ZeRO); `save_final` gathers the full drafter for `final/`."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from draftsmith import DraftsmithError
+from draftsmith.models.common import save_drafter
 
 STEP_RE = re.compile(r"^step-(\d{6,})$")
 STATE_FILE = "trainer_state.json"
@@ -66,8 +69,67 @@ def load(accelerator, path: Path) -> dict:
         raise DraftsmithError(f"{path}: incomplete checkpoint (no {STATE_FILE}); pass resume=PATH to an earlier step")
     try:
         state = json.loads(state_file.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftsmithError(f"{path}: corrupt checkpoint, cannot resume ({STATE_FILE}: {e})") from None
+    _check_layout(state, path, zero_stage(accelerator), accelerator.num_processes)
+    try:
         accelerator.load_state(str(path))
     except Exception as e:
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise DraftsmithError(f"{path}: corrupt checkpoint, cannot resume ({type(e).__name__}: {first})") from None
     return state
+
+
+def zero_stage(accelerator) -> int:
+    """The DeepSpeed ZeRO stage this run trains with; 0 without DeepSpeed (DDP or one process)."""
+    plugin = accelerator.state.deepspeed_plugin
+    return int(plugin.deepspeed_config["zero_optimization"]["stage"]) if plugin is not None else 0
+
+
+def _check_layout(state: dict, path: Path, zero: int, world: int) -> None:
+    """A checkpoint resumes only under the layout that wrote it: DDP and DeepSpeed store different
+    files, and ZeRO partitions the optimizer state (and under ZeRO-3 the weights) per rank, which
+    DeepSpeed does not repartition for another world size. One line instead of a deep traceback."""
+    def how(z: int) -> str:
+        return f"under DeepSpeed ZeRO-{z}" if z else "without DeepSpeed"
+
+    saved = state.get("zero_stage", 0)  # checkpoints from before DeepSpeed support are DDP ones
+    if saved != zero:
+        raise DraftsmithError(f"{path}: written {how(saved)}, but this run trains {how(zero)}; resume it with "
+                              "the setup it was written with (the same deepspeed= config or accelerate preset)")
+    n = state.get("processes", world)
+    if zero and n != world:
+        raise DraftsmithError(f"{path}: written by {n} processes under DeepSpeed ZeRO-{zero}, whose optimizer state is "
+                              f"partitioned {n} ways and DeepSpeed cannot repartition it; resume with {n} processes")
+
+
+def save_final(accelerator, drafter, out: Path, meta: dict) -> None:
+    """Write `final/` (save_drafter's format, full fp32 weights); every rank calls it.
+
+    DDP: rank 0 already holds everything. DeepSpeed: ZeRO-3 keeps 1/world of each parameter per rank
+    (GatheredParameters gathers them, all ranks taking part), and under a bf16 config the module's
+    weights are bf16 copies of fp32 masters that live, partitioned, in the optimizer
+    (safe_get_full_fp32_param assembles them, again on all ranks). Rank 0 saves the module with the
+    masters swapped in, so `final/` matches what a DDP run of the same recipe writes."""
+    model, zero = accelerator.unwrap_model(drafter), zero_stage(accelerator)
+    if zero == 0:
+        if accelerator.is_main_process:
+            save_drafter(model, out, meta)
+        return
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero == 3):
+        masters = [safe_get_full_fp32_param(p) if p.requires_grad else None for p in params]
+        if accelerator.is_main_process:
+            kept = [p.data for p in params]
+            for p, m in zip(params, masters):
+                if m is not None:
+                    p.data = m.view(p.shape)
+            try:
+                save_drafter(model, out, meta)
+            finally:  # the gathered tensors go back before DeepSpeed re-partitions them on exit
+                for p, d in zip(params, kept):
+                    p.data = d
+    accelerator.wait_for_everyone()

@@ -99,6 +99,11 @@ class Config:
     `bfloat16` or `float16` (CUDA only)."""
     cache_dir: str = ""
     """Where the embedded target is cached as safetensors (default ~/.cache/draftsmith)."""
+    deepspeed: str = ""
+    """A DeepSpeed JSON config (e.g. recipes/deepspeed/zero3.json) for a `torchrun` launch, on GPUs or
+    CPUs; `accelerate launch --config_file recipes/accelerate/zero3.yaml` (launch.sh --preset zero3)
+    names it through accelerate instead. Its `auto` batch, accumulation and clipping values are
+    filled from `optim.*`; numbers that differ from them are an error. Empty = DDP."""
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -151,6 +156,9 @@ def _validate(cfg: Config, where: str) -> None:
     for ok, key, expected in checks:
         if not ok:
             raise DraftsmithError(f"{where}: {key} must be {expected}")
+    if cfg.deepspeed and not Path(cfg.deepspeed).is_file():
+        raise DraftsmithError(f"{where}: deepspeed: {cfg.deepspeed} is not a file (a DeepSpeed JSON config, "
+                              "e.g. recipes/deepspeed/zero3.json)")
     for key in PRECISION_KEYS:  # names only here; `auto` is resolved on the run's device (resolve_precision)
         precision.check(_get(cfg, key), f"{where}: {key}")
     if cfg.eval.tree:

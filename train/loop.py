@@ -3,14 +3,16 @@
 Read top to bottom: set up (target, data, drafter, optimizer), optionally resume, then one flat
 loop of micro-steps. The data order is a pure function of (seed, epoch) and each *global*
 micro-batch is cut into equal per-rank slices, so 1 process and N processes see the same global
-batches and (with losses normalised by the global token count) reach the same weights.
+batches and (with losses normalised by the global token count) reach the same weights: under DDP
+and under DeepSpeed ZeRO-2/3 alike (the DeepSpeed specifics are the small helpers at the bottom).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from contextlib import nullcontext
+import os
+from contextlib import contextmanager, nullcontext
 import math
 import resource
 import time
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import set_seed
+from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs, set_seed
 from tqdm import tqdm
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
@@ -27,9 +29,8 @@ from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import build_dataset, collate, epoch_batches
 from draftsmith.data.features import FeatureCache, target_features, write_cache
-from draftsmith.models.common import save_drafter
 from draftsmith.models.export import init_weights
-from draftsmith.models.registry import drafter_module
+from draftsmith.models.registry import drafter_module, load_drafter, target_to_load_on
 from draftsmith.data.regenerate import cached_regeneration
 # Imported with the loop, not at the eval stage: the eval runs the code the training run started with.
 from draftsmith.eval.report import format_table, write_before_after
@@ -38,7 +39,7 @@ from draftsmith.models.target import cache_root, ensure_pad, fingerprint, load_t
 from draftsmith.train import checkpoint
 from draftsmith.train.config import Config, drafter_config, resolve_precision
 from draftsmith.train.parse import save_yaml, to_dict
-from draftsmith.train.precision import ACCELERATE, describe, hardware
+from draftsmith.train.precision import ACCELERATE, TORCH, describe, hardware
 
 SCHEDULES = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup,
              "constant": get_constant_schedule_with_warmup}
@@ -76,15 +77,12 @@ def train(cfg: Config) -> Path:
     AcceleratorState._reset_state()
     # `auto` precisions become what this hardware runs natively (bf16 only where it is native).
     cfg = resolve_precision(cfg)
-    # Without CUDA, cpu=True makes a multi-process launch (torchrun / accelerate --multi_gpu) form a
-    # gloo process group instead of N independent single-process runs.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=ACCELERATE[cfg.optim.mixed_precision],
-                              log_with=None if cfg.tracker == "none" else cfg.tracker,
-                              project_dir=str(cfg.run_dir))
+    accelerator = make_accelerator(cfg)
     print0 = accelerator.print  # rank-0-only output goes through this one helper
-    print0(f"precision: train {cfg.optim.mixed_precision}, target {cfg.target_dtype}, eval {cfg.eval.dtype} "
-           f"on {describe(hardware(accelerator.device))}")
     world, rank = accelerator.num_processes, accelerator.process_index
+    zero = checkpoint.zero_stage(accelerator)  # 0 = DDP (or one process), else DeepSpeed's ZeRO stage
+    print0(f"precision: train {cfg.optim.mixed_precision}, target {cfg.target_dtype}, eval {cfg.eval.dtype} "
+           f"on {describe(hardware(accelerator.device))}" + (f" | DeepSpeed ZeRO-{zero}" if zero else ""))
     set_seed(cfg.optim.seed + rank)  # per-rank noise streams; data order is seeded separately
     run_dir = cfg.run_dir
     if accelerator.is_main_process:
@@ -94,7 +92,8 @@ def train(cfg: Config) -> Path:
     # --- target (frozen) and data -------------------------------------------------------------
     phases, t_phase = {}, time.perf_counter()  # wall seconds per phase, printed and saved at the end
     module, dcfg = drafter_module(cfg.drafter["type"]), drafter_config(cfg)
-    with accelerator.main_process_first():  # rank 0 dequantizes/caches the embedded target first
+    # rank 0 dequantizes/caches the embedded target first; under ZeRO-3 it is loaded whole, sharded later
+    with accelerator.main_process_first(), whole_weights(accelerator):
         target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir, accelerator.device)
         ensure_pad(tok)
         fp = fingerprint(target)
@@ -125,12 +124,13 @@ def train(cfg: Config) -> Path:
 
     # --- drafter, optimizer, schedule ---------------------------------------------------------
     # A family that trains the target (Medusa-2) wraps it here: adapters injected, or a trainable copy.
-    drafter = module.build(dcfg, target, ds).to(accelerator.device)
     init_state = None
-    if cfg.init_from:  # domain fine-tuning: start from a trained drafter; kept to evaluate it "before"
-        init_weights(drafter, module.NAME, cfg.init_from, target)
-        init_state = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
-        print0(f"initialised from {cfg.init_from}")
+    with whole_weights(accelerator):
+        drafter = module.build(dcfg, target, ds).to(accelerator.device)
+        if cfg.init_from:  # domain fine-tuning: start from a trained drafter; kept to evaluate it "before"
+            init_weights(drafter, module.NAME, cfg.init_from, target)
+            init_state = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+            print0(f"initialised from {cfg.init_from}")
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     groups = module.param_groups(drafter, dcfg, cfg.optim.lr)  # e.g. heads and backbone at their own lrs
     optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
@@ -142,8 +142,11 @@ def train(cfg: Config) -> Path:
     # The scheduler is stepped by hand once per optimizer step (accelerate's prepared scheduler
     # would step once per process); registering it puts its state in every checkpoint.
     scheduler = make_scheduler(cfg, optimizer, total)
+    if zero:
+        fill_deepspeed_config(accelerator, cfg, target.config.get_text_config().hidden_size)
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
     accelerator.register_for_checkpointing(scheduler)
+    sharded = shard_target(accelerator, target) if zero == 3 else None
 
     step, epoch, pos = 0, 0, 0
     resume_from = checkpoint.find_resume(run_dir, cfg.resume)
@@ -167,7 +170,7 @@ def train(cfg: Config) -> Path:
         for pos, rows in micro_batches(ds, cfg, world, rank, epoch, pos):
             batch = {k: v.to(accelerator.device) for k, v in collate(rows, tok.pad_token_id).items()}
             sync = (micro + 1) % cfg.optim.grad_accum == 0
-            with accelerator.autocast(), (accelerator.no_sync(drafter) if not sync else nullcontext()):
+            with autocast(accelerator, cfg, zero), (accelerator.no_sync(drafter) if not sync else nullcontext()):
                 loss_sum, n_tok, metrics = module.compute_loss(drafter, target, batch, features(batch), dcfg, step=step)
                 # Normalise by the global token count of this micro-batch (all ranks): DDP averages
                 # gradients over ranks, so multiply back by world size.
@@ -177,12 +180,16 @@ def train(cfg: Config) -> Path:
                 if accelerator.reduce((~torch.isfinite(loss.detach())).float(), "sum") > 0:
                     where = f"; last good checkpoint: {last_good[-1]}" if last_good else ""
                     raise DraftsmithError(f"step {step}: loss is {loss.item()} (nan/inf), training stopped{where}")
-                accelerator.backward(loss)
+                if zero:  # the engine accumulates, clips and steps (see deepspeed_backward)
+                    deepspeed_backward(drafter, loss, sync, sharded)
+                else:
+                    accelerator.backward(loss)
             for k, v in {"loss": loss_sum.detach(), "tokens": n_tok.float(), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + accelerator.reduce(v.float(), "sum").item()
             micro += 1
             if not sync:
                 continue
+            # Under DeepSpeed these three are no-ops: the engine clipped and stepped in deepspeed_backward.
             if cfg.optim.clip_grad > 0:
                 accelerator.clip_grad_norm_(drafter.parameters(), cfg.optim.clip_grad)
             optimizer.step()
@@ -199,7 +206,8 @@ def train(cfg: Config) -> Path:
                         f.write(json.dumps({"step": step, **log}) + "\n")
                 sums, t0 = {}, time.perf_counter()
             if cfg.save_every and step % cfg.save_every == 0 and step < total:
-                state = {"step": step, "epoch": epoch, "position": pos + 1, "target_fingerprint": fp}
+                state = {"step": step, "epoch": epoch, "position": pos + 1, "target_fingerprint": fp,
+                         "processes": world, "zero_stage": zero}
                 last_good = [checkpoint.save(accelerator, run_dir, step, state, cfg.keep_last)]
             if step >= total:
                 break
@@ -209,22 +217,26 @@ def train(cfg: Config) -> Path:
         break
     bar.close()
     phases["train"], t_phase = time.perf_counter() - t_phase, time.perf_counter()
-    state = {"step": step, "epoch": epoch, "position": pos + 1, "target_fingerprint": fp}
+    state = {"step": step, "epoch": epoch, "position": pos + 1, "target_fingerprint": fp,
+             "processes": world, "zero_stage": zero}
     checkpoint.save(accelerator, run_dir, step, state, cfg.keep_last)
     final = run_dir / "final"
-    if accelerator.is_main_process:
-        meta = {"drafter": module.NAME, "drafter_config": dict(cfg.drafter), "target": cfg.target,
-                "target_fingerprint": fp, "steps": step, "train_data": cfg.data.train,
-                "train_seconds": round(time.perf_counter() - t_start, 1), "processes": world,
-                # ru_maxrss is in KiB on Linux: this rank's peak, target and data included.
-                "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
-        save_drafter(accelerator.unwrap_model(drafter), final, meta)
-        print0(f"saved drafter to {final}")
+    meta = {"drafter": module.NAME, "drafter_config": dict(cfg.drafter), "target": cfg.target,
+            "target_fingerprint": fp, "steps": step, "train_data": cfg.data.train,
+            "train_seconds": round(time.perf_counter() - t_start, 1), "processes": world,
+            # ru_maxrss is in KiB on Linux: this rank's peak, target and data included.
+            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+    checkpoint.save_final(accelerator, drafter, final, meta)  # every rank takes part under DeepSpeed
+    print0(f"saved drafter to {final}")
     if cfg.eval.enabled and accelerator.is_main_process:
-        if cfg.eval.dtype != cfg.target_dtype:  # e.g. trained on bf16 features, evaluated in fp32
-            target, _ = load_target(cfg.target, cfg.eval.dtype, cfg.cache_dir, accelerator.device)
+        with whole_weights(accelerator):
+            # Under ZeRO-3 this rank holds a shard of the target: load it whole. Under DeepSpeed the
+            # drafter is an engine (sharded, or bf16 copies of fp32 masters): evaluate final/ instead.
+            if zero == 3 or cfg.eval.dtype != cfg.target_dtype:  # e.g. trained on bf16 features, evaluated in fp32
+                target, _ = load_target(cfg.target, cfg.eval.dtype, cfg.cache_dir, accelerator.device)
+            drafter = load_drafter(final, target_to_load_on(target, final))[2] if zero else accelerator.unwrap_model(drafter)
         param = next(target.parameters())
-        drafter = accelerator.unwrap_model(drafter).to(param.dtype).eval()
+        drafter = drafter.to(param.dtype).eval()
         kwargs = dict(k=cfg.eval.k, num_prompts=cfg.eval.num_prompts, max_new_tokens=cfg.eval.max_new_tokens,
                       target_name=cfg.target, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, tree=cfg.eval.tree)
         report = evaluate_drafter(module, drafter, dcfg, target, tok, cfg.data.holdout, run_dir / "eval", **kwargs)
@@ -243,6 +255,152 @@ def train(cfg: Config) -> Path:
     accelerator.wait_for_everyone()
     accelerator.end_training()  # also tears down the process group, so it comes last
     return run_dir
+
+
+# --- DeepSpeed ------------------------------------------------------------------------------------
+# accelerate runs DeepSpeed for `accelerate launch --config_file recipes/accelerate/zero{2,3}.yaml`
+# (env ACCELERATE_USE_DEEPSPEED) or when given a DeepSpeedPlugin (the recipe's `deepspeed:` key, for
+# torchrun launches). What it does not do for this loop is below, each with why.
+
+def make_accelerator(cfg: Config) -> Accelerator:
+    """The Accelerator for this launch: DDP / one process, or DeepSpeed."""
+    kwargs = dict(mixed_precision=ACCELERATE[cfg.optim.mixed_precision], project_dir=str(cfg.run_dir),
+                  log_with=None if cfg.tracker == "none" else cfg.tracker)
+    use_ds = bool(cfg.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if cfg.deepspeed:
+        # zero3_init_flag=False: the target is loaded whole and sharded explicitly (shard_target).
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed, zero3_init_flag=False)
+    if use_ds:  # what accelerate would adopt from the DeepSpeed config anyway, minus its mismatch warning
+        kwargs["gradient_accumulation_steps"] = cfg.optim.grad_accum
+    cpu = not torch.cuda.is_available()
+    if cpu and use_ds:
+        # accelerate enables DeepSpeed only with cpu=False, and without CUDA it then finds no process
+        # group backend and counts the world as 1. Naming gloo (what DeepSpeed's CPU accelerator uses
+        # too) gives it the real world size; each rank still needs a launcher (torchrun) to exist.
+        if "LOCAL_RANK" not in os.environ:
+            raise DraftsmithError("DeepSpeed without CUDA needs a distributed launcher: torchrun --nproc_per_node N "
+                                  "-m draftsmith.cli train ... (or launch.sh --preset zero3 --cpu-procs N)")
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+        cpu = False
+    # Otherwise, without CUDA, cpu=True makes a multi-process launch (torchrun / accelerate --multi_gpu)
+    # form a gloo process group instead of N independent single-process runs.
+    accelerator = Accelerator(cpu=cpu, **kwargs)
+    if use_ds and accelerator.distributed_type != DistributedType.DEEPSPEED:  # e.g. ACCELERATE_USE_CPU=1 wins
+        raise DraftsmithError(f"DeepSpeed was asked for, but accelerate set up {accelerator.distributed_type.value} "
+                              "(is ACCELERATE_USE_CPU set?)")
+    return accelerator
+
+
+def fill_deepspeed_config(accelerator: Accelerator, cfg: Config, hidden: int) -> None:
+    """Under DeepSpeed the engine accumulates gradients and clips them, so its config must say what the
+    recipe says: `auto` (or absent) takes the recipe's value, and a different number is an error
+    rather than a silent override (accelerate would fill `auto` clipping with 1.0, and it cannot
+    size micro-batches without a prepared DataLoader). ZeRO's `auto` bucket sizes come from the
+    target's hidden size (accelerate's formulas; it looks for a `.config` drafters need not have)."""
+    ds, o = accelerator.state.deepspeed_plugin.deepspeed_config, cfg.optim
+    zero = ds.setdefault("zero_optimization", {})
+    for key, value in {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+                       "stage3_param_persistence_threshold": 10 * hidden}.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    source = cfg.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "the DeepSpeed config")
+    wanted = {"gradient_accumulation_steps": ("optim.grad_accum", o.grad_accum),
+              "gradient_clipping": ("optim.clip_grad", o.clip_grad),
+              "train_micro_batch_size_per_gpu": ("optim.batch_size", o.batch_size),
+              "train_batch_size": ("optim.batch_size x processes x optim.grad_accum",
+                                   o.batch_size * accelerator.num_processes * o.grad_accum)}
+    for key, (name, value) in wanted.items():
+        have = ds.get(key, "auto")
+        if have == "auto":
+            ds[key] = value
+        elif float(have) != float(value):
+            raise DraftsmithError(f"{source}: {key} is {have} but {name} is {value}; set it to \"auto\" "
+                                  "(filled from the recipe) or to the same value")
+
+
+@contextmanager
+def whole_weights(accelerator: Accelerator):
+    """Load models whole. accelerate registers a ZeRO-3 config with transformers (whatever
+    zero3_init_flag says), and from_pretrained then builds every model partitioned under
+    deepspeed.zero.Init. But the target's fingerprint, feature cache, regeneration and the drafter's
+    initialisation (lm_head rows, layer copies) read its weights on one rank, and the eval stage
+    runs on rank 0 alone. The registration comes back afterwards: generate() reads it to keep
+    ZeRO-3 ranks in step (on-policy distillation)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def shard_target(accelerator: Accelerator, target):
+    """ZeRO-3: partition the frozen target over the ranks too, as TRL does for reference models. An
+    engine without an optimizer keeps 1/world of each parameter per rank and gathers a module's
+    weights only while it runs (forward, and backward through it: EAGLE's loss goes through the
+    target's lm_head); nothing requires grad, so there are no gradients or optimizer state. Returns
+    that engine, or None when the target's weights already belong to the drafter's engine (Medusa-2's
+    LoRA backbone, a Medusa head sharing the lm_head): the rest of the target then stays whole."""
+    import deepspeed
+
+    if any(hasattr(p, "ds_id") for p in target.parameters()):
+        accelerator.print("target: its weights are part of the drafter, sharded with it by the drafter's engine")
+        return None
+    ds, h = accelerator.state.deepspeed_plugin.deepspeed_config, target.config.get_text_config().hidden_size
+    dtype, full = next(target.parameters()).dtype, _held_bytes(target)
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 10 * h,  # accelerate's sizes for `auto`:
+            "stage3_prefetch_bucket_size": int(0.9 * h * h), "reduce_bucket_size": h * h}  # norms stay whole
+    if "offload_param" in ds["zero_optimization"]:  # zero3-offload: the target's shards go to CPU RAM too
+        zero["offload_param"] = ds["zero_optimization"]["offload_param"]
+    config = {"train_micro_batch_size_per_gpu": ds["train_micro_batch_size_per_gpu"],
+              "gradient_accumulation_steps": ds["gradient_accumulation_steps"], "zero_optimization": zero,
+              # the target keeps target_dtype whatever precision the drafter trains in
+              "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
+    engine = deepspeed.initialize(model=target, config=config)[0]
+    held = accelerator.gather(torch.tensor([_held_bytes(target)], device=accelerator.device)).tolist()
+    accelerator.print(f"target sharded by ZeRO-3: {' / '.join(f'{b / 2**20:.2f}' for b in held)} MiB per rank "
+                      f"of {full / 2**20:.2f} MiB (per-rank bytes {held}, full {full})")
+    return engine
+
+
+def _held_bytes(model) -> int:
+    """Parameter bytes this rank holds: its ZeRO-3 partition plus whatever is whole (persistent or
+    gathered parameters, or all of them before sharding)."""
+    return sum((p.data.numel() + (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else 0)) * p.element_size()
+               for p in model.parameters())
+
+
+def autocast(accelerator: Accelerator, cfg: Config, zero: int):
+    """The recipe's mixed precision around forward and loss. accelerate leaves it to DeepSpeed, whose
+    engine casts the drafter's weights to bf16/fp16 (fp32 masters in the optimizer) but autocasts
+    nothing, while the target's features and the losses around the drafter are the same tensors as
+    under DDP (fp32 with an fp32 target): torch's autocast makes them meet as under DDP."""
+    if not zero or cfg.optim.mixed_precision == "float32":
+        return accelerator.autocast()
+    return torch.autocast(accelerator.device.type, dtype=TORCH[cfg.optim.mixed_precision])
+
+
+def deepspeed_backward(engine, loss: torch.Tensor, sync: bool, sharded=None) -> None:
+    """Backward through the DeepSpeed engine and, at the end of an accumulation, its optimizer step.
+
+    accelerate's backward takes the accumulation boundary from its own GradientState, which this
+    loop's manual accumulation does not drive, and would step every micro-batch; the boundary is
+    set here from the loop's counter instead. The loss is already divided by grad_accum as for DDP,
+    hence scale_wrt_gas=False; the engine averages gradients over ranks as DDP does, clips them to
+    gradient_clipping (= optim.clip_grad) and steps at the boundary (lr: the loop's scheduler, which
+    sets the same param-group dicts). The sharded target's submodules are called directly, never
+    its top-level forward whose hook ends ZeRO-3's fetch trace, so this pass is ended here."""
+    engine.set_gradient_accumulation_boundary(sync)
+    engine.backward(loss, scale_wrt_gas=False)
+    if sync:
+        engine.step()
+    if sharded is not None:
+        sharded.optimizer.get_param_coordinator().reset_step()
 
 
 def _summarise(sums: dict, seconds: float, lr: float) -> dict:

@@ -32,15 +32,16 @@ KNOWN_TARGETS = {
     "lmsys/vicuna-7b-v1.3": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                                  num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
 }
-# Which of (drafter weights, gradients, optimizer state) each preset shards over the ranks, and
-# which it moves to CPU RAM.
+# Which of (target weights, drafter weights, gradients, optimizer state) each preset shards over the
+# ranks, and which it moves to CPU RAM. ZeRO-3 shards the frozen target too (train/loop.py
+# `shard_target`, an optimizer-less DeepSpeed engine); FSDP through accelerate wraps only the drafter.
 PRESETS = {
     "single-gpu": {"shard": (), "offload": ()},
     "multi-gpu": {"shard": (), "offload": ()},
     "multi-node": {"shard": (), "offload": ()},
     "zero2": {"shard": ("grads", "optimizer"), "offload": ()},
-    "zero3": {"shard": ("weights", "grads", "optimizer"), "offload": ()},
-    "zero3-offload": {"shard": ("weights", "grads", "optimizer"), "offload": ("weights", "optimizer")},
+    "zero3": {"shard": ("target", "weights", "grads", "optimizer"), "offload": ()},
+    "zero3-offload": {"shard": ("target", "weights", "grads", "optimizer"), "offload": ("target", "weights", "optimizer")},
     "fsdp": {"shard": ("weights", "grads", "optimizer"), "offload": ()},
 }
 GiB = 2**30
@@ -113,7 +114,7 @@ def per_rank(s: Sizes, preset: str, world: int, b_target: int) -> dict[str, floa
             return 0.0
         return total / world if name in p["shard"] else total
 
-    out = {"target weights": s.target_params * b_target, "drafter weights": part("weights", s.drafter_params * 4),
+    out = {"target weights": part("target", s.target_params * b_target), "drafter weights": part("weights", s.drafter_params * 4),
            "gradients": part("grads", s.trainable_params * 4), "optimizer": part("optimizer", s.trainable_params * 8),
            "activations": s.activation_bytes}
     out["total"] = sum(out.values())
