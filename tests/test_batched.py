@@ -13,6 +13,7 @@ from draftsmith.eval.speculative import NgramProposer, Stats, speculative_decode
 from draftsmith.models import eagle, eagle3
 from draftsmith.models.drafts import Draft
 from tests.conftest import make_target
+from tests.test_speculative import OracleProposer  # proposes the target's own greedy continuation
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,22 +44,7 @@ def _prompts(lengths=(3, 12, 7, 20, 1, 9)):
     return [torch.randint(5, 100, (n,), generator=g).tolist() for n in lengths]
 
 
-class Oracle:
-    """Proposes the target's own greedy continuation: always right."""
-
-    feature_names = ()
-
-    def __init__(self, target):
-        self.target = target
-
-    def reset(self):
-        pass
-
-    def propose(self, tokens, feats, k, sampler=None):
-        return Draft.chain(target_decode(self.target, tokens[0].tolist(), k, set()))
-
-
-class Flaky(Oracle):
+class Flaky(OracleProposer):
     """Right up to a position that depends on the context length, then wrong; sometimes drafts fewer
     tokens or none: ragged acceptance and ragged blocks across rows and rounds."""
 
@@ -117,7 +103,7 @@ def test_perfect_drafter_in_a_batch_gets_full_acceptance(lively):
     k, rounds = 3, 4
     prompts = _prompts((4, 11, 6))
     stats = Stats(k=k)
-    out = speculative_decode_batch(lively, lambda: Oracle(lively), prompts, k, 1 + rounds * (k + 1), set(), stats)
+    out = speculative_decode_batch(lively, lambda: OracleProposer(lively), prompts, k, 1 + rounds * (k + 1), set(), stats)
     assert out == [target_decode(lively, p, 1 + rounds * (k + 1), set()) for p in prompts]
     assert stats.tau == k + 1 and stats.acceptance_rate == 1.0
     assert stats.passes == rounds * len(prompts)  # one pass per row per round
@@ -167,7 +153,7 @@ def test_feature_drafters_see_the_features_of_batch_size_1(lively, family):
 
 def test_batch_curve_reports_each_batch_size(lively):
     prompts = _prompts((6, 10, 3, 8, 12))
-    curve = batch_curve(lively, None, lambda: Oracle(lively), prompts, [1, 2, 4], 3, 9, set())
+    curve = batch_curve(lively, None, lambda: OracleProposer(lively), prompts, [1, 2, 4], 3, 9, set())
     assert [c["batch_size"] for c in curve] == [1, 2, 4]
     for c in curve:
         assert c["lossless"] and c["lossless_mismatches"] == 0 and c["target_mismatches"] == 0
