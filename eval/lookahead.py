@@ -233,7 +233,7 @@ class HybridProposer:
         if hasattr(model, "observe"):
             self.observe = self._observe
         self.last = ""  # "lookup" or "model": the source of the latest draft
-        self.rounds = {"lookup": 0, "model": 0}  # drafts from each source, over all prompts
+        self.draft_sources = {"lookup": 0, "model": 0}  # drafts from each source, over all prompts
 
     def reset(self) -> None:
         self.lookup.reset()
@@ -251,7 +251,7 @@ class HybridProposer:
 
     def _pick(self, chain: list[int] | None, model_draft) -> Draft:
         self.last = "lookup" if chain is not None else "model"
-        self.rounds[self.last] += 1
+        self.draft_sources[self.last] += 1
         return Draft.chain(chain) if chain is not None else model_draft()
 
     def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> Draft:

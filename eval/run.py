@@ -87,7 +87,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         speculative_decode(target, proposer, prompts[0][:8], k, max_new_tokens, eos, sampler(0), tree=spec)
         if hasattr(proposer, "reset_stats"):  # proposers that count their own levels (cascades) skip the warm-up
             proposer.reset_stats()
-        sources = dict(getattr(proposer, "rounds", {}))  # a hybrid counts its drafts by source
+        sources = dict(getattr(proposer, "draft_sources", {}))  # a hybrid counts its drafts by source
         for n, prompt in enumerate(tqdm(prompts, desc=f"eval {name}")):
             ref, s_ref = baseline[n] if baseline else timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
             generated, s_spec = timed(speculative_decode, target, proposer, prompt, k, max_new_tokens, eos, sampler(n), stats, spec)
@@ -120,7 +120,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
     if hasattr(proposer, "level_stats"):  # a cascade: τ and acceptance at each level
         report["levels"] = proposer.level_stats()
     if sources:  # a hybrid: how many drafts of this eval came from each source
-        report["draft_sources"] = {src: n - sources[src] for src, n in proposer.rounds.items()}
+        report["draft_sources"] = {src: n - sources[src] for src, n in proposer.draft_sources.items()}
     if batch_sizes:
         report["batch_curve"] = batch_curve(target, tok, fresh_copies(proposer), prompts, batch_sizes, k,
                                             max_new_tokens, eos, kernels)

@@ -219,7 +219,7 @@ def test_hybrid_picks_lookup_or_model_by_its_rule(seq, k, min_match, source):
     model = Recorder()
     hybrid = HybridProposer(NgramProposer(3), model, min_match=min_match)
     draft = hybrid.propose(torch.tensor([seq]), {}, k)
-    assert hybrid.last == source and hybrid.rounds[source] == 1
+    assert hybrid.last == source and hybrid.draft_sources[source] == 1
     if source == "lookup":
         assert draft.tokens == NgramProposer(3).propose(torch.tensor([seq]), None, k).tokens and "propose" not in model.calls
     else:
@@ -278,7 +278,7 @@ def test_greedy_hybrid_equals_target_greedy_and_uses_both_sources(tiny_target, k
         for prompt in cases:
             ref = target_decode(target, prompt, 24, {2})
             assert speculative_decode(target, hybrid, prompt, 4, 24, {2}, None, Stats(k=4), tree) == ref
-        rounds.update(hybrid.rounds)
+        rounds.update(hybrid.draft_sources)
     assert rounds["lookup"] > 0 and rounds["model"] > 0
 
 
@@ -322,7 +322,7 @@ def test_sampled_hybrid_matches_target_distribution(peaked_target, reference):  
                                                                  eagle.DrafterConfig()))
     spec = _collect(lambda s: speculative_decode(target, hybrid, PROMPT, 3, 3, set(), Sampler(1.0, 1.0, seed=s)))
     assert chi_square_p(reference, spec) > 1e-3
-    assert hybrid.rounds["lookup"] > 0 and hybrid.rounds["model"] > 0
+    assert hybrid.draft_sources["lookup"] > 0 and hybrid.draft_sources["model"] > 0
 
 
 # --- bad arguments -------------------------------------------------------------------------------
