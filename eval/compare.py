@@ -39,14 +39,15 @@ def trained_folders(spec: str) -> list[str]:
         return trained_folders(path.removeprefix("hybrid:"))
     if path.startswith("cascade:"):
         return [p for level in parse_cascade(path.removeprefix("cascade:")) for p in trained_folders(level)]
-    if path in ("none", "ngram", "lookahead") or (Path(path) / selfspec.FILE).is_file():
+    if path in ("none", "ngram") or path.split(":")[0] == "lookahead" or (Path(path) / selfspec.FILE).is_file():
         return []
     return [path]
 
 
 def load_proposer(spec: str, target, allow_stale: bool = False) -> tuple[str, object, object, str | None]:
     """Every drafter a user can name -> (label, proposer, verifier, tree spec or None):
-    - `none` (target-only), `ngram` (prompt lookup), `lookahead` (Jacobi + n-gram pool, eval/lookahead.py);
+    - `none` (target-only), `ngram` (prompt lookup), `lookahead[:W=5,N=3,G=3]` (Jacobi window W,
+      n-gram size N, G pool n-grams per round; eval/lookahead.py);
     - `hybrid:PATH`: prompt lookup when the context repeats itself, the trained drafter at PATH otherwise;
     - `cascade:LOW,MID`: LOW (`ngram` or a student folder) drafts for MID (a distilled student or a
       layer-skip folder), whose greedy continuation the target verifies (eval/cascade.py);
@@ -55,8 +56,9 @@ def load_proposer(spec: str, target, allow_stale: bool = False) -> tuple[str, ob
     path, tree = parse_drafter(spec)
     if path in ("none", "ngram"):
         return path, make_baseline(path), target, tree
-    if path == "lookahead":
-        return path, LookaheadProposer(), target, None
+    if path.split(":")[0] == "lookahead":  # `lookahead` or `lookahead:W=5,N=3,G=3`
+        proposer = LookaheadProposer.from_spec(path)
+        return proposer.spec(), proposer, target, None
     if path.startswith("hybrid:"):
         _, model, verifier, tree = load_proposer(path.removeprefix("hybrid:") + (f"@{tree}" if tree else ""), target, allow_stale)
         return f"hybrid ({Path(path[7:]).parent.name or path[7:]})", HybridProposer(NgramProposer(), model), verifier, tree

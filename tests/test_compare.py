@@ -70,10 +70,10 @@ def test_training_free_and_combined_drafters_by_name_are_lossless(tiny_target_di
         "drafter.type": "distill", "drafter.num_layers": 1, "optim.max_steps": 2, "run": "student"}))) / "final"
     out = tmp_path / "cmp"
     flags = ["--data", str(chat_jsonl), "--k", "2", "--num-prompts", "2", "--max-new-tokens", "8"]
-    assert main(["compare", "--drafter", "lookahead", "--drafter", f"hybrid:{student}", "--drafter",
+    assert main(["compare", "--drafter", "lookahead:W=4,G=2", "--drafter", f"hybrid:{student}", "--drafter",
                  f"cascade:ngram,{student}", *flags, "--out", str(out)]) == 0
     reports = json.loads((out / "compare.json").read_text())
-    assert [r["drafter"].split(" ")[0] for r in reports] == ["lookahead", "hybrid", "cascade"]
+    assert [r["drafter"].split(" ")[0] for r in reports] == ["lookahead:W=4,N=3,G=2", "hybrid", "cascade"]
     assert all(r["lossless"] for r in reports)
     assert sum(reports[1]["draft_sources"].values()) > 0 and reports[2]["levels"]["rounds"] > 0
     assert main(["eval", "--cascade", f"ngram,{student}", *flags, "--out", str(tmp_path / "ev")]) == 0
