@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from draftsmith import DraftsmithError
 from draftsmith.eval.speculative import Stats
 from draftsmith.models.common import crop_cache
-from draftsmith.models.distill import StudentProposer
+from draftsmith.models.distill import StudentProposer, resync
 from draftsmith.models.drafts import Draft
 
 # Counters pooled over every round of every prompt (reset() keeps them, like the engine's Stats).
@@ -61,15 +61,6 @@ class CascadeProposer:
     def reset_stats(self):
         self.counts = dict.fromkeys(COUNTERS, 0)
 
-    def _sync(self, ids: list[int]) -> list[int]:
-        """Keep the mid's cache on the longest prefix of `ids` it has fed -> the tokens still to feed
-        (at least the newest one: its logits start the mid's continuation)."""
-        same = next((i for i, (a, b) in enumerate(zip(self.fed, ids)) if a != b), min(len(self.fed), len(ids)))
-        same = min(same, len(ids) - 1)
-        crop_cache(self.cache, same)
-        self.fed = self.fed[:same]
-        return ids[same:]
-
     def _verify(self, pending: list[int], drafts: list[int], device) -> list[int]:
         """One mid pass over [pending..., drafts...] -> the accepted drafts + the mid's own next token.
         The mid's cache keeps pending + accepted drafts; the returned last token is not fed yet."""
@@ -88,7 +79,7 @@ class CascadeProposer:
         """tokens [1, T]: every target-verified token (the newest not yet in the target's cache).
         The sampler is not used: the mid decodes greedily, so the draft is deterministic (q = one-hot)."""
         ids, device = tokens[0].tolist(), tokens.device
-        pending, out = self._sync(ids), []
+        pending, out = resync(self, ids), []  # the mid's cache on the verified tokens
         self.counts["rounds"] += 1
         self.counts["mid_synced"] += len(pending)
         while len(out) < k:

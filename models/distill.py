@@ -275,6 +275,17 @@ def on_policy_batch(student, batch: dict, rows: int, max_new_tokens: int, temper
     return {k: v.to(device) for k, v in collate(examples, target.config.pad_token_id).items()}
 
 
+def resync(proposer, ids: list[int]) -> list[int]:
+    """Keep a proposer's own KV cache (`proposer.cache`, `proposer.fed`) on the longest prefix of `ids`
+    it has fed -> the tokens still to feed, at least the newest one (its logits start the draft)."""
+    fed = proposer.fed
+    same = next((i for i, (a, b) in enumerate(zip(fed, ids)) if a != b), min(len(fed), len(ids)))
+    same = min(same, len(ids) - 1)
+    crop_cache(proposer.cache, same)
+    proposer.fed = fed[:same]
+    return ids[same:]
+
+
 class StudentProposer:
     """Chain drafting with the student's own KV cache. Each round the cache keeps the longest prefix
     of what it was fed that the accepted tokens still agree with; the rest is fed in one pass."""
@@ -296,11 +307,7 @@ class StudentProposer:
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> Draft:
         ids, device = tokens[0].tolist(), tokens.device
-        same = next((i for i, (a, b) in enumerate(zip(self.fed, ids)) if a != b), min(len(self.fed), len(ids)))
-        same = min(same, len(ids) - 1)  # feed at least the newest token: its logits start the draft
-        crop_cache(self.cache, same)
-        self.fed = self.fed[:same]
-        logits, draft = self._feed(ids[same:], device), Draft()
+        logits, draft = self._feed(resync(self, ids), device), Draft()
         for i in range(k):
             q = None if sampler is None else sampler.probs(logits)
             token = int(logits.argmax()) if q is None else sampler.sample(q)
