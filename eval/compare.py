@@ -60,8 +60,9 @@ def load_proposer(spec: str, target, allow_stale: bool = False) -> tuple[str, ob
         proposer = LookaheadProposer.from_spec(path)
         return proposer.spec(), proposer, target, None
     if path.startswith("hybrid:"):
-        _, model, verifier, tree = load_proposer(path.removeprefix("hybrid:") + (f"@{tree}" if tree else ""), target, allow_stale)
-        return f"hybrid ({Path(path[7:]).parent.name or path[7:]})", HybridProposer(NgramProposer(), model), verifier, tree
+        inner = path.removeprefix("hybrid:")
+        _, model, verifier, tree = load_proposer(inner + (f"@{tree}" if tree else ""), target, allow_stale)
+        return f"hybrid ({Path(inner).parent.name or inner})", HybridProposer(NgramProposer(), model), verifier, tree
     if path.startswith("cascade:"):
         names = parse_cascade(path.removeprefix("cascade:"))
         levels = [NgramProposer() if n == "ngram" else load_proposer(n, target, allow_stale)[1] for n in names]
