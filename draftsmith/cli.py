@@ -54,9 +54,11 @@ DATA_HELP = """examples:
 
 def cmd_train(args) -> None:
     from draftsmith.train.config import load_config
+
+    config = load_config(args.recipe, args.overrides)  # a bad recipe fails before the heavy imports
     from draftsmith.train.loop import train
 
-    train(load_config(args.recipe, args.overrides))
+    train(config)
 
 
 def cmd_eval(args) -> None:
@@ -333,7 +335,6 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(fn=cmd_features)
     c = dsub.add_parser("corpus", help="write a built-in corpus (builtin:code, builtin:prose, …-holdout) as jsonl")
     c.add_argument("name")
-    c.add_argument("--batch-sizes", help="also measure each drafter's batch-size curve, e.g. 1,2,4,8,16")
     c.add_argument("--out", required=True)
     c.set_defaults(fn=cmd_corpus)
     return p

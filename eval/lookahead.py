@@ -205,17 +205,25 @@ class LookaheadProposer:
 
 
 class HybridProposer:
-    """Prompt lookup when the context repeats itself, a trained drafter otherwise.
+    """Prompt lookup and a trained drafter: either one, or both judged in one verification pass.
 
-    Rule, each round, with d = the draft depth (k for chains, spec.depth for trees): take the
-    longest suffix of the context (at most lookup.max_ngram tokens) that occurs earlier, and the up
-    to d tokens that followed its latest earlier occurrence (prompt lookup, as NgramProposer). If
-    that suffix is at least `min_match` tokens long and at least ceil(d/2) tokens follow it, the
-    draft is that lookup chain (deterministic, q = one-hot); otherwise it is the model proposer's
-    chain (`propose`) or tree (`propose_tree`). The choice reads the verified context only, so
-    greedy and sampled decoding stay lossless.
+    Each round, with d = the draft depth (k for chains, spec.depth for trees): take the longest
+    suffix of the context (at most lookup.max_ngram tokens) that occurs earlier, and the up to d
+    tokens that followed its latest earlier occurrence (prompt lookup, as NgramProposer). The lookup
+    has a *match* when that suffix is at least `min_match` tokens long and at least ceil(d/2) tokens
+    follow it.
+      - No match: the model's draft (`propose` chain or `propose_tree` tree), alone ("model").
+      - A match, chain drafts: the lookup chain alone ("lookup"); the model is not called. Chains
+        stay chains (batched decoding verifies chains only, eval/batched.py), and a sampled model
+        chain could not share a draft anyway: a sampled child must be an only child for the
+        sibling-by-sibling rule (eval/tree.py `verify_tree_sampled`).
+      - A match, tree drafts: the lookup chain is grafted onto the model's tree as one more root
+        path (`graft`; tree nodes are deterministic top-k picks), so the target judges both guesses
+        in one pass and keeps the longer accepted one ("both"). Greedy acceptance along the merged
+        tree is at least that of either part alone; the price is up to d more nodes to verify.
+    The choice reads the verified context only, so greedy and sampled decoding stay lossless.
 
-    The model proposer is not called in lookup rounds; proposers with a KV cache resynchronise on
+    The model proposer is not called in "lookup" rounds; proposers with a KV cache resynchronise on
     their next call (StudentProposer keeps the longest common prefix of what it was fed;
     FeatureProposer feeds every real feature row it has not cached, and drops its draft pairs).
     """
@@ -232,8 +240,8 @@ class HybridProposer:
             self.propose_tree = self._propose_tree
         if hasattr(model, "observe"):
             self.observe = self._observe
-        self.last = ""  # "lookup" or "model": the source of the latest draft
-        self.draft_sources = {"lookup": 0, "model": 0}  # drafts from each source, over all prompts
+        self.last = ""  # "model", "both" or "lookup": what the latest draft holds
+        self.draft_sources = {"model": 0, "both": 0, "lookup": 0}  # drafts of each kind, over all prompts
 
     def reset(self) -> None:
         self.lookup.reset()
@@ -245,24 +253,45 @@ class HybridProposer:
         return HybridProposer(copy.copy(self.lookup), copy.copy(self.model), self.min_match)
 
     def choose(self, seq: list[int], depth: int) -> list[int] | None:
-        """The lookup chain if the rule picks it (see the class docstring), else None."""
+        """The lookup chain if the lookup has a match (see the class docstring), else None."""
         n, follow = suffix_match(seq, self.lookup.max_ngram, depth)
         return follow if n >= self.min_match and 2 * len(follow) >= depth else None
 
-    def _pick(self, chain: list[int] | None, model_draft) -> Draft:
-        self.last = "lookup" if chain is not None else "model"
-        self.draft_sources[self.last] += 1
-        return Draft.chain(chain) if chain is not None else model_draft()
+    def _pick(self, source: str, draft: Draft) -> Draft:
+        self.last = source
+        self.draft_sources[source] += 1
+        return draft
 
     def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> Draft:
         chain = self.choose(tokens[0].tolist(), k)
-        return self._pick(chain, lambda: self.model.propose(tokens, feats, k, sampler))
+        if chain is None:
+            return self._pick("model", self.model.propose(tokens, feats, k, sampler))
+        return self._pick("lookup", Draft.chain(chain))
 
     def _propose_tree(self, tokens: torch.Tensor, feats: dict, spec) -> Draft:
         chain = self.choose(tokens[0].tolist(), spec.depth)
-        return self._pick(chain, lambda: self.model.propose_tree(tokens, feats, spec))
+        draft = self.model.propose_tree(tokens, feats, spec)
+        return self._pick("model", draft) if chain is None else self._pick("both", graft(draft, chain))
 
     def _observe(self, draft: Draft, logits: torch.Tensor, path: list[int], new: list[int]) -> None:
         """Forward the target's verdict to a model proposer that learns from it, on its own drafts only."""
-        if self.last == "model":
+        if self.last != "lookup":  # grafted nodes come after the model's own, whose indices are unchanged
             self.model.observe(draft, logits, path, new)
+
+
+def graft(draft: Draft, chain: list[int]) -> Draft:
+    """`draft` plus `chain` as a path from the root, in place: where the draft already has the next
+    chain token as a child, the path goes through that node; otherwise a deterministic node (q = None)
+    is appended (parents still precede children). Grafting stops under a node whose children were
+    sampled: those must stay only children (eval/tree.py `verify_tree_sampled`)."""
+    node = -1
+    for x in chain:
+        kids = draft.children(node)
+        same = [c for c in kids if draft.tokens[c] == x]
+        if same:
+            node = same[0]
+        elif any(draft.qs[c] is not None for c in kids):
+            break
+        else:
+            node = draft.add(x, node)
+    return draft

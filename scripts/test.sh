@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (idempotent), then run the whole suite in two timed phases: unit tests on tiny random
-# models, then the `integration` tests on the real embedded smollm2-135m (a shortened quickstart),
+# models (in parallel), then the `integration` tests on the real embedded smollm2-135m (a shortened quickstart),
 # both in the precision `auto` picks for this CPU. Arguments, if any, go to one plain pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +14,9 @@ phase "set-up" bash scripts/setup.sh
 if [ $# -gt 0 ]; then
   phase "pytest $*" .venv/bin/python -m pytest "$@"
 else
-  phase "unit tests" .venv/bin/python -m pytest -q -m "not integration"
+  # Unit tests in parallel, one pytest-xdist worker per core, one torch thread per worker: the tiny
+  # models are dominated by Python overhead, so two workers halve the time where two threads each
+  # would only contend (on 2 cores: about 3.7 min against 8).
+  phase "unit tests" env OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n auto -m "not integration"
   phase "integration tests" .venv/bin/python -m pytest -q -m integration
 fi

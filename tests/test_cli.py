@@ -12,16 +12,26 @@ from draftsmith.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args):
-    return subprocess.run([sys.executable, "-m", "draftsmith.cli", *args], capture_output=True, text=True, cwd=ROOT)
+def _help(capsys, *args) -> str:
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
 
 
-def test_help_lists_the_contract_subcommands():
-    out = _run("--help").stdout
+def test_help_lists_the_contract_subcommands(capsys):
+    out = _help(capsys)
     for sub in ("train", "eval", "data", "export", "compare", "plan", "publish", "layerskip"):
         assert sub in out
     for sub in ("eval", "export", "compare", "plan", "publish"):
-        assert "examples:" in _run(sub, "--help").stdout, sub
+        assert "examples:" in _help(capsys, sub), sub
+
+
+def test_the_installed_entry_point_exits_non_zero_with_one_line():
+    """The in-process tests below call `main`; this one goes through `python -m draftsmith.cli`."""
+    r = subprocess.run([sys.executable, "-m", "draftsmith.cli", "train", "nope.yaml"], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert r.returncode == 1 and r.stderr.strip() == "draftsmith: error: nope.yaml: recipe file not found"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -34,11 +44,12 @@ def test_help_lists_the_contract_subcommands():
     (["eval", "--drafter", "none", "--data", "x.jsonl", "--batch-sizes", "two"], "--batch-sizes: expected positive integers"),
     (["compare", "--drafter", "/nonexistent", "--data", "x", "--out", "o"], "not a draftsmith drafter folder"),
 ])
-def test_bad_input_is_one_line_and_nonzero(args, message):
-    r = _run(*args)
-    assert r.returncode == 1
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], r.stderr
+def test_bad_input_is_one_line_and_nonzero(args, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the recipes are named relative to the repository, as a user types them
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
 
 
 def test_malformed_jsonl_through_the_cli(tiny_target_dir, tmp_path, capsys):

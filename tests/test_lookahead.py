@@ -11,7 +11,7 @@ from torch import nn
 
 from draftsmith import DraftsmithError
 from draftsmith.data.features import target_features
-from draftsmith.eval.lookahead import HybridProposer, LookaheadProposer, suffix_match, trie_draft
+from draftsmith.eval.lookahead import HybridProposer, LookaheadProposer, graft, suffix_match, trie_draft
 from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculative_decode, target_decode
 from draftsmith.eval.tree import verify_tree_greedy
 from draftsmith.models import distill, eagle
@@ -234,10 +234,22 @@ def test_hybrid_delegates_what_the_engine_reads():
     tree = HybridProposer(NgramProposer(), model)
     spec = parse_tree("dynamic:depth=4")
     assert tree.propose_tree(torch.tensor([[1, 2, 3, 4, 5]]), {}, spec).tokens == [98] * 4  # no match: the model's tree
-    assert tree.propose_tree(torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]]), {}, spec).tokens == [8, 9, 5, 6]  # a lookup chain
+    both = tree.propose_tree(torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]]), {}, spec)  # a match: the lookup chain grafted on
+    assert both.tokens == [98] * 4 + [8, 9, 5, 6] and both.parents == [-1, 0, 1, 2, -1, 4, 5, 6]
+    assert tree.draft_sources == {"model": 1, "both": 1, "lookup": 0}
     tree.reset()
-    assert model.calls == ["propose_tree", "reset"]
+    assert model.calls == ["propose_tree", "propose_tree", "reset"]
     assert hasattr(HybridProposer(NgramProposer(), LookaheadProposer()), "observe")
+
+
+def test_graft_shares_prefixes_and_leaves_sampled_children_alone():
+    tree = Draft([7, 8, 9, 5], [-1, 0, 0, 1], [None] * 4)  # 7 -> {8 -> 5, 9}
+    assert graft(tree, [7, 8, 6, 1]) is tree
+    assert tree.tokens == [7, 8, 9, 5, 6, 1] and tree.parents == [-1, 0, 0, 1, 1, 4]  # through 7 and 8, then new nodes
+    assert graft(Draft.chain([3]), [3, 4]).parents == [-1, 0]  # a chain that the lookup extends
+    sampled = Draft.chain([7, 8], qs=[torch.ones(4) / 4, torch.ones(4) / 4])
+    assert graft(sampled, [7, 2, 3]).tokens == [7, 8]  # 8 was sampled: 2 may not become its sibling
+    assert graft(sampled, [1]).tokens == [7, 8]
 
 
 def _eagle(target):
@@ -279,7 +291,7 @@ def test_greedy_hybrid_equals_target_greedy_and_uses_both_sources(tiny_target, k
             ref = target_decode(target, prompt, 24, {2})
             assert speculative_decode(target, hybrid, prompt, 4, 24, {2}, None, Stats(k=4), tree) == ref
         rounds.update(hybrid.draft_sources)
-    assert rounds["lookup"] > 0 and rounds["model"] > 0
+    assert rounds["lookup" if tree is None else "both"] > 0 and rounds["model"] > 0
 
 
 def test_batched_rows_get_their_own_model_proposer(tiny_target):

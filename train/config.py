@@ -115,11 +115,12 @@ class Config:
 
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Defaults < recipe YAML < overrides. Drafter keys are validated by the drafter's own config."""
+    raw = read_yaml(recipe) if recipe else {}
+    raw = _merge(raw, parse_overrides(overrides or []))
+    # Imported only now: the registry pulls in transformers (seconds), and a missing file should not wait.
     from draftsmith.models.drafts import parse_tree
     from draftsmith.models.registry import drafter_module
 
-    raw = read_yaml(recipe) if recipe else {}
-    raw = _merge(raw, parse_overrides(overrides or []))
     where = str(recipe) if recipe else "config"
     cfg = from_dict(Config, raw, where)
     drafter = dict(cfg.drafter)
