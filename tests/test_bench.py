@@ -36,3 +36,21 @@ def test_staleness_update_makes_a_loadable_different_target(tiny_target, chat_js
     assert not (tmp_path / "updated.tmp").exists()
     x = torch.tensor([[1, 2, 3, 4]])
     assert not torch.allclose(updated(x).logits, target(x).logits)
+
+
+def test_scaling_bench_runs_one_and_two_processes_on_the_same_global_batch(tiny_target_dir, chat_jsonl, tmp_path, capsys):
+    import json
+
+    from draftsmith.eval.bench import scaling
+
+    recipe = tmp_path / "empty.yaml"
+    recipe.write_text("{}\n")
+    scaling.main(["--recipe", str(recipe), "--steps", "4", "--batch-size", "4", "--setups", "ddp", "--out",
+                  str(tmp_path / "s"), f"target={tiny_target_dir}", f"data.train={chat_jsonl}",
+                  f"data.holdout={chat_jsonl}", "data.max_length=64"])
+    rows = json.loads((tmp_path / "s" / "scaling.json").read_text())["rows"]
+    assert [(r["setup"], r["processes"]) for r in rows] == [("ddp", 1), ("ddp", 2)]
+    assert all(r["tokens_per_s"] > 0 and r["peak_rss_gb_rank0"] > 0 for r in rows)
+    assert rows[1]["tokens_per_s_per_process"] == rows[1]["tokens_per_s"] / 2
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ddp |")]
+    assert len(table) == 2 and table[1].split("|")[5].strip().endswith("x")
