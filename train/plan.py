@@ -2,8 +2,8 @@
 target's and the drafter's configs alone (both are built on the meta device: no weights loaded).
 
 Assumptions, stated once: the target is held in its training dtype (bf16 on GPUs that run it; the
-recipe's `target_dtype` when explicit) and is a full copy on every rank in every preset (draftsmith
-does not shard the frozen target yet). Trainable weights are fp32 with bf16 autocast (accelerate),
+recipe's `target_dtype` when explicit); it is a full copy on every rank except under ZeRO-3, which
+shards it (and ZeRO-3-offload, which moves it to CPU RAM; see PRESETS). Trainable weights are fp32 with bf16 autocast (accelerate),
 AdamW keeps two fp32 moments, gradients are fp32. Activations are an estimate: per decoder layer and
 token 2*(10 H + 4 I) bytes kept for backward (bf16, flash attention; after Korthikanti et al. 2022),
 plus the loss's fp32 logits (x3: logits, probabilities, their gradient) and the teacher's fp32
