@@ -151,8 +151,12 @@ def cmd_export(args) -> None:
         from draftsmith.eval.publish import verify_export
 
         parity = verify_export(Path(args.drafter), out, target, tok, args.data)
+        from draftsmith.eval.publish import speculators_line
+
         print(f"serving parity on {args.data}: draft-token agreement {parity['draft_token_agreement']:.1%} over "
-              f"{parity['rounds']} rounds, τ {parity['tau_export']:.2f} (export) vs {parity['tau_drafter']:.2f} (drafter)")
+              f"{parity['rounds']} rounds, max |Δ logits| {parity['max_abs_logit_diff']:.2e} over "
+              f"{parity['logit_rows']} rows (argmax agreement {parity['logit_argmax_agreement']:.1%}), "
+              f"τ {parity['tau_export']:.2f} (export) vs {parity['tau_drafter']:.2f} (drafter).{speculators_line(parity)}")
         if not parity["passed"]:
             raise DraftsmithError(f"{out}: the export does not draft like the drafter it came from")
 

@@ -26,11 +26,22 @@ DEFAULT_FORMAT = {"eagle": "vllm", "eagle3": "speculators", "medusa": "vllm", "d
 
 
 class Recorder:
-    """Wraps a proposer and keeps every draft it proposes, to compare two drafters round by round."""
+    """Wraps a proposer and keeps every draft it proposes and every logits row its drafter computed,
+    to compare two drafters round by round. Where the logits come from differs by family, so the tap
+    is on what each proposer calls: FeatureProposer's `logits` function (EAGLE, EAGLE-3), the
+    student's forward (distill), the heads' forward (Medusa)."""
 
     def __init__(self, proposer):
-        self.proposer, self.drafts = proposer, []
+        self.proposer, self.drafts, self.logits = proposer, [], []
         self.feature_names = getattr(proposer, "feature_names", ())
+        keep = lambda out: self.logits.extend(out.detach().float().reshape(-1, out.shape[-1]))  # noqa: E731
+        if callable(getattr(proposer, "logits", None)):
+            inner = proposer.logits
+            proposer.logits = lambda out: _passed(keep, inner(out))
+        else:
+            module = proposer.student if hasattr(proposer, "student") else proposer.heads
+            module.register_forward_hook(lambda m, args, out: keep(
+                out.logits if hasattr(out, "logits") else torch.stack([lg.reshape(-1) for lg in out])))
 
     def reset(self):
         self.proposer.reset()
@@ -41,12 +52,25 @@ class Recorder:
         return draft
 
 
+def _logit_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """max |x - y| where equal entries count 0: a reduced draft vocabulary puts -inf on the tokens it
+    cannot draft (EAGLE-3), and -inf - -inf would be nan."""
+    return torch.where(x == y, 0.0, (x - y).abs()).max().item()
+
+
+def _passed(keep, logits):
+    keep(logits)
+    return logits
+
+
 @torch.no_grad()
 def verify_export(drafter_dir: Path, exported: Path, target, tok, holdout: str, k: int = 4, prompts: int = 3,
                   max_new_tokens: int = 32) -> dict:
     """Serving parity: re-read the exported folder (transformers for `hf`; the consumer's weight
-    mapping for the EAGLE and Medusa formats) and decode a few holdout prompts greedily with it and
-    with draftsmith's own drafter, on the same target. Every draft token must agree."""
+    mapping for the EAGLE and Medusa formats; speculators' own loader too, for the speculators
+    format, when it is installed) and decode a few holdout prompts greedily with it and with
+    draftsmith's own drafter, on the same target. Every draft token must agree; the logits of every
+    drafter pass are compared too (max |Δ| and argmax agreement)."""
     target = target_to_load_on(target, drafter_dir)
     module, cfg, own = load_drafter(drafter_dir, target)
     verifier = module.verifier(own, target)
@@ -60,13 +84,60 @@ def verify_export(drafter_dir: Path, exported: Path, target, tok, holdout: str, 
         rec, stats = Recorder(module.make_proposer(drafter, verifier, cfg)), Stats(k=k)
         for p in load_prompts(holdout, prompts):
             speculative_decode(verifier, rec, encode_prompt(tok, p), k, max_new_tokens, eos, None, stats)
-        runs.append((rec.drafts, stats.tau))
-    (a, tau_a), (b, tau_b) = runs
+        runs.append((rec.drafts, stats.tau, rec.logits))
+    (a, tau_a, la), (b, tau_b, lb) = runs
     pairs = [(x, y) for da, db in zip(a, b) for x, y in zip(da, db)]
     agree = sum(x == y for x, y in pairs) / max(len(pairs), 1)
-    return {"draft_token_agreement": round(agree, 4), "rounds": len(a), "tau_drafter": round(tau_a, 4),
-            "tau_export": round(tau_b, 4), "passed": agree == 1.0 and len(a) == len(b),
-            "params": sum(p.numel() for p in getattr(own, "heads", own).parameters())}
+    rows = list(zip(la, lb))  # in call order; aligned while the drafts agree
+    out = {"draft_token_agreement": round(agree, 4), "rounds": len(a), "tau_drafter": round(tau_a, 4),
+           "tau_export": round(tau_b, 4), "logit_rows": len(rows),
+           "max_abs_logit_diff": max((_logit_diff(x, y) for x, y in rows), default=0.0),
+           "logit_argmax_agreement": round(sum(int(x.argmax() == y.argmax()) for x, y in rows) / max(len(rows), 1), 4),
+           "params": sum(p.numel() for p in getattr(own, "heads", own).parameters())}
+    out["passed"] = agree == 1.0 and len(a) == len(b) and len(la) == len(lb) and out["logit_argmax_agreement"] == 1.0
+    if json.loads((exported / "config.json").read_text()).get("speculators_model_type"):
+        out["speculators"] = speculators_load_check(exported)
+        out["passed"] = out["passed"] and out["speculators"].get("passed", True)
+    return out
+
+
+def speculators_load_check(exported: Path) -> dict:
+    """Load a speculators-format folder with speculators' own `SpeculatorModel.from_pretrained`, and
+    check that every tensor of model.safetensors arrived unchanged under its name. Skipped (and said
+    so) when speculators is not installed. Its verifier is named by hub id in the config; a local
+    folder for it (draftsmith's embedded target) is put in a temporary copy of the config, so the
+    check runs offline. Install without letting pip replace the CPU torch or transformers:
+    `pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 && pip install loguru openai
+    pydantic-settings aiohttp` (speculators 0.9.0 declares transformers<=5.19 and torchvision)."""
+    import importlib.util
+    import tempfile
+
+    if importlib.util.find_spec("speculators") is None:
+        return {"checked": False, "why": "speculators is not installed"}
+    from importlib.metadata import version
+
+    from safetensors.torch import load_file
+    from speculators import SpeculatorModel
+
+    from draftsmith.models.target import resolve_target
+
+    config = json.loads((exported / "config.json").read_text())
+    local = resolve_target(config["draftsmith"]["target"])
+    with tempfile.TemporaryDirectory() as tmp:
+        config["speculators_config"]["verifier"]["name_or_path"] = str(local)
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        (Path(tmp) / "model.safetensors").symlink_to((exported / "model.safetensors").resolve())
+        try:
+            model = SpeculatorModel.from_pretrained(tmp)
+        except Exception as e:  # the consumer refuses the folder: that is the finding
+            return {"checked": True, "version": version("speculators"), "passed": False,
+                    "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+    loaded, stored = model.state_dict(), load_file(exported / "model.safetensors")
+    unused = sorted(set(stored) - set(loaded))
+    diff = max(((loaded[n].float() - t.float()).abs().max().item() for n, t in stored.items() if n in loaded), default=0.0)
+    return {"checked": True, "version": version("speculators"), "class": type(model).__name__,
+            "tensors": len(stored), "unused_tensors": unused, "max_abs_diff": diff,
+            "from_verifier": sorted(set(loaded) - set(stored)), "passed": not unused and diff == 0.0}
 
 
 def serving_snippet(family: str, fmt: str, repo_id: str, target: str, k: int) -> str:
@@ -112,10 +183,24 @@ def model_card(meta: dict, report: dict, fmt: str, repo_id: str, params: int, pa
         "## Serving parity", "",
         f"The exported files were read back the way the serving engine maps them and decoded {parity['rounds']} draft "
         f"rounds next to the trained drafter: draft-token agreement {parity['draft_token_agreement']:.1%}, "
-        f"τ {parity['tau_export']:.2f} vs {parity['tau_drafter']:.2f} ({'passed' if parity['passed'] else 'FAILED'}).", "",
+        f"max |Δ logits| {parity['max_abs_logit_diff']:.2e} over {parity['logit_rows']} drafter logits rows (argmax "
+        f"agreement {parity['logit_argmax_agreement']:.1%}), τ {parity['tau_export']:.2f} vs {parity['tau_drafter']:.2f} "
+        f"({'passed' if parity['passed'] else 'FAILED'}).{speculators_line(parity)}", "",
         "## Serving", "", serving_snippet(family, fmt, repo_id, target if "backbone/" not in served_target else
                                           f"$(hf download {repo_id})/backbone", report.get("k") or 4), "",
     ])
+
+
+def speculators_line(parity: dict) -> str:
+    check = parity.get("speculators")
+    if not check:
+        return ""
+    if not check["checked"]:
+        return f" speculators' own loader was not run ({check['why']})."
+    if "error" in check:
+        return f" speculators {check['version']} `SpeculatorModel.from_pretrained` refused it: {check['error']}."
+    return (f" speculators {check['version']} `SpeculatorModel.from_pretrained` loaded it as {check['class']}: "
+            f"{check['tensors']} tensors, unused {check['unused_tensors'] or 'none'}, max |Δ| {check['max_abs_diff']:.1e}.")
 
 
 def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None = None, out: str | Path | None = None,

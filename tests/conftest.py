@@ -36,9 +36,9 @@ def make_target(seed: int = 0, vocab: int = 128, layers: int = 2) -> LlamaForCau
     return LlamaForCausalLM(cfg).eval()
 
 
-def save_target(path, seed: int = 0, chat_template: str | None = CHAT_TEMPLATE):
+def save_target(path, seed: int = 0, chat_template: str | None = CHAT_TEMPLATE, layers: int = 2):
     tok = make_tokenizer(chat_template)
-    make_target(seed, vocab=len(tok)).save_pretrained(path)
+    make_target(seed, vocab=len(tok), layers=layers).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

@@ -1,12 +1,21 @@
 """`draftsmith publish`: the folder and model card, the parity check, refusals, and the upload
 through huggingface_hub's API boundary (mocked; no network)."""
 
+import importlib.util
 import json
 
 import pytest
 
 from draftsmith import DraftsmithError
 from draftsmith.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    """Three layers in this module: speculators' loader refuses repeated EAGLE-3 aux layers."""
+    from tests.conftest import save_target
+
+    return save_target(tmp_path_factory.mktemp("tiny-target-3"), layers=3)
 
 
 @pytest.fixture
@@ -16,7 +25,7 @@ def run(tiny_target_dir, chat_jsonl, tmp_path):
     from tests.test_train import _overrides
 
     return train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{
-        "drafter.type": "eagle3", "drafter.aux_layers": [0, 1, 1], "drafter.draft_vocab_size": 60,
+        "drafter.type": "eagle3", "drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60,
         "eval.enabled": True, "eval.num_prompts": 2, "eval.max_new_tokens": 10, "eval.k": 3})))
 
 
@@ -121,6 +130,11 @@ def test_export_verify_reports_serving_parity_and_catches_a_bad_mapping(run, tin
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "serving parity on" in out and "draft-token agreement 100.0%" in out
+    assert "max |Δ logits| 0.00e+00" in out and "(argmax agreement 100.0%)" in out
+    if importlib.util.find_spec("speculators"):  # scripts/setup.sh installs it; the check says when it is absent
+        assert "`SpeculatorModel.from_pretrained` loaded it as Eagle3DraftModel" in out and "unused none" in out
+    else:
+        assert "speculators' own loader was not run (speculators is not installed)" in out
     real = export_module.read_export
 
     def misread(path, family, target):  # a consumer that maps one tensor wrongly
@@ -130,4 +144,32 @@ def test_export_verify_reports_serving_parity_and_catches_a_bad_mapping(run, tin
 
     monkeypatch.setattr(export_module, "read_export", misread)
     assert main(args) == 1
-    assert "does not draft like the drafter" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "does not draft like the drafter" in captured.err
+    assert "max |Δ logits| 0.00e+00" not in captured.out
+
+
+def _train(target_dir, data, tmp_path, family: str, extra: dict):
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+    from tests.test_train import _overrides
+
+    return train(load_config(None, _overrides(target_dir, data, tmp_path, run=family, **{
+        "drafter.type": family, "optim.max_steps": 2, **extra})))
+
+
+def test_parity_compares_logits_of_every_family(tiny_target_dir, chat_jsonl, tmp_path):
+    """The logits tap finds each family's logits (EAGLE's function, Medusa's heads, the student's forward)."""
+    from draftsmith.eval.publish import verify_export
+    from draftsmith.models.export import export
+    from draftsmith.models.target import load_target
+
+    target, tok = load_target(str(tiny_target_dir))
+    for family, fmt, extra in (("eagle", "vllm", {}), ("medusa", "vllm", {"drafter.num_heads": 2}),
+                               ("distill", "hf", {"drafter.num_layers": 1})):
+        run = _train(tiny_target_dir, chat_jsonl, tmp_path, family, extra)
+        out = export(run / "final", target, fmt, tmp_path / f"{family}-export", tok)
+        parity = verify_export(run / "final", out, target, tok, str(chat_jsonl), k=2, prompts=1, max_new_tokens=8)
+        # fp32 rounding only: the hf export saves the student with its LoRA merged, the drafter merges on load
+        assert parity["logit_rows"] > 0 and parity["max_abs_logit_diff"] < 1e-5, family
+        assert parity["logit_argmax_agreement"] == 1.0 and parity["passed"], family
