@@ -137,7 +137,8 @@ def check_fingerprint(meta: dict, fp: str, where: str) -> None:
     if meta["target_fingerprint"] != fp:
         raise DraftsmithError(
             f"{where}: drafter was trained for target '{meta['target']}' (fingerprint {meta['target_fingerprint']}), "
-            f"but the given target has fingerprint {fp}; retrain or fine-tune the drafter for this target"
+            f"but the given target has fingerprint {fp}; retrain or fine-tune the drafter for this target "
+            f"(init_from_stale=true starts that fine-tune from this drafter)"
         )
 
 

@@ -234,11 +234,12 @@ def import_export(path: str | Path, target):
     return module, cfg, drafter.to(param.device, param.dtype).eval()
 
 
-def init_weights(drafter, family: str, path: str | Path, target) -> None:
+def init_weights(drafter, family: str, path: str | Path, target, allow_stale: bool = False) -> None:
     """`init_from`: load a draftsmith drafter folder (final/) or any exported format into the freshly
     built `drafter` of `family`, before training (domain fine-tuning). Imported buffers come along,
     so an EAGLE-3 head keeps its draft vocabulary (d2t/t2d). Another family, another target or
-    other shapes fail with the tensor and both shapes named."""
+    other shapes fail with the tensor and both shapes named; another target is allowed with
+    `allow_stale` (a refresh after the target was updated)."""
     from draftsmith.models.common import check_fingerprint, load_state, read_drafter_meta
     from draftsmith.models.target import fingerprint
 
@@ -248,7 +249,8 @@ def init_weights(drafter, family: str, path: str | Path, target) -> None:
     native = "draftsmith_format" in json.loads((path / "config.json").read_text())  # a final/ folder
     if native:
         meta = read_drafter_meta(path)
-        check_fingerprint(meta, fingerprint(target), f"init_from {path}")
+        if not allow_stale:
+            check_fingerprint(meta, fingerprint(target), f"init_from {path}")
     found = meta["drafter"] if native else export_family(path)
     if found != family:
         raise DraftsmithError(f"init_from {path}: holds a {found} drafter, but this recipe trains {family}")

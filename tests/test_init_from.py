@@ -9,7 +9,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.models import distill, eagle, eagle3, medusa
-from draftsmith.models.common import save_drafter
+from draftsmith.models.common import load_state, save_drafter
 from draftsmith.models.export import export, init_weights
 from draftsmith.models.target import fingerprint
 
@@ -79,8 +79,11 @@ def test_bad_inits_are_one_line_errors(tiny_target, other_target_dir, tmp_path):
     with pytest.raises(DraftsmithError, match=r"tensor 'lm_heads.0.weight' is \(\d+, 32\) there but \(20, 32\)"):
         init_weights(medusa.build(small, target, {"input_ids": [[5, 6]], "loss_mask": [[1, 1]]}), "medusa", final, target)
     other, _ = load_target(str(other_target_dir))
-    with pytest.raises(DraftsmithError, match="trained for target 'tiny'"):
+    with pytest.raises(DraftsmithError, match="trained for target 'tiny'.*init_from_stale=true"):
         init_weights(medusa.build(cfg, other), "medusa", final, other)
+    refresh = medusa.build(cfg, other)  # the refresh after a target update says so, and then loads
+    init_weights(refresh, "medusa", final, other, allow_stale=True)
+    assert all(torch.equal(v, refresh.state_dict()[k]) for k, v in load_state(final).items())
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
     with pytest.raises(DraftsmithError, match="unknown export format"):

@@ -84,6 +84,9 @@ class Config:
     """Start from a trained drafter of the same family: a draftsmith `final/` folder or any format
     `draftsmith export` writes (vLLM/SGLang EAGLE, official or speculators EAGLE-3, vLLM Medusa, a
     plain causal LM), e.g. a head published for your target, to fine-tune it on your domain."""
+    init_from_stale: bool = False
+    """Let `init_from` start from a drafter trained for another target (its fingerprint differs): the
+    refresh after the target was fine-tuned or RLHF-updated. Without it that is an error."""
     run: str = "run"
     output_dir: str = "checkpoints"
     save_every: int = 0

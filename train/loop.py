@@ -128,7 +128,7 @@ def train(cfg: Config) -> Path:
     with whole_weights(accelerator):
         drafter = module.build(dcfg, target, ds).to(accelerator.device)
         if cfg.init_from:  # domain fine-tuning: start from a trained drafter; kept to evaluate it "before"
-            init_weights(drafter, module.NAME, cfg.init_from, target)
+            init_weights(drafter, module.NAME, cfg.init_from, target, allow_stale=cfg.init_from_stale)
             init_state = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
             print0(f"initialised from {cfg.init_from}")
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)

@@ -9,7 +9,7 @@
    original on the holdout is measured (eval/run.py `backbone_drift`).
 2. **stale**: the drafter's τ and speedup on the original target, then on the updated one (what
    `draftsmith eval --target UPDATED --allow-stale` reports; the report is marked stale).
-3. **refresh**: `draftsmith train RECIPE target=UPDATED init_from=DRAFTER` with a small budget
+3. **refresh**: `draftsmith train RECIPE target=UPDATED init_from=DRAFTER init_from_stale=true` with a small budget
    (`--refresh-examples` prompts answered by the updated target, `--refresh-epochs`): the drafter is
    fine-tuned on data the updated target regenerated, and evaluated on the updated target.
 
@@ -114,7 +114,7 @@ def main(argv=None) -> None:
     run_dir = out / f"refresh-{int(time.time())}"
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "draftsmith.cli", "train", args.recipe, f"target={updated_dir}",
-                    f"init_from={args.drafter}", f"run={run_dir.name}", f"output_dir={out}",
+                    f"init_from={args.drafter}", "init_from_stale=true", f"run={run_dir.name}", f"output_dir={out}",
                     f"data.max_examples={args.refresh_examples}", f"optim.epochs={args.refresh_epochs}",
                     "eval.enabled=false"], check=True)
     refresh_s = time.perf_counter() - t0
