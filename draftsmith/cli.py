@@ -148,11 +148,9 @@ def cmd_export(args) -> None:
     out = export(args.drafter, source, args.format, args.out, tok)
     print(f"wrote {out} ({args.format} format)")
     if args.verify:
-        from draftsmith.eval.publish import verify_export
+        from draftsmith.eval.publish import speculators_line, verify_export
 
         parity = verify_export(Path(args.drafter), out, target, tok, args.data)
-        from draftsmith.eval.publish import speculators_line
-
         print(f"serving parity on {args.data}: draft-token agreement {parity['draft_token_agreement']:.1%} over "
               f"{parity['rounds']} rounds, max |Δ logits| {parity['max_abs_logit_diff']:.2e} over "
               f"{parity['logit_rows']} rows (argmax agreement {parity['logit_argmax_agreement']:.1%}), "

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from draftsmith import DraftsmithError
 from draftsmith.cli import main
 
 

@@ -3,7 +3,6 @@ offline features, and 1 vs 2 processes."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -144,12 +143,10 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_
     one = [str(recipe), *common, "run=one", "optim.batch_size=4"]
     two = [str(recipe), *common, "run=two", "optim.batch_size=2"]
     subprocess.run([sys.executable, "-m", "draftsmith.cli", "train", *one], check=True, env=env, cwd=ROOT)
-    # A free port: pytest-xdist may run two of these launches at once, and 29500 is accelerate's default.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    # Port 0 (any free port, as launch.sh --main-port 0): pytest-xdist may run two of these launches
+    # at once, and 29500 is accelerate's default.
     launched = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port,
+                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
                     "-m", "draftsmith.cli", "train", *two], check=True, env=env, cwd=ROOT,
                               capture_output=True, text=True)
     assert "2 process(es)" in launched.stdout  # really two DDP ranks, not one
