@@ -169,12 +169,14 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
         nb, np_ = need.nonzero(as_tuple=True)
         row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
         row_of[nb, np_] = torch.arange(len(nb), device=ids.device)
-        rows = [lm_head(last[nb[c:c + 4096], np_[c:c + 4096]].to(lm_head.weight.dtype)).float()
-                for c in range(0, len(nb), 4096)]
-        full = torch.cat(rows) if rows else torch.zeros(0, core.t2d.shape[0], device=ids.device)
-        # EAGLE-3 trains only where the target's choice is in the draft vocabulary.
-        keep_all, draft_all = core.t2d[full.argmax(-1)].float(), full[:, core.t2d]
-        del full
+        def chunk(c: int):  # one full-vocabulary chunk alive at a time
+            full = lm_head(last[nb[c:c + 4096], np_[c:c + 4096]].to(lm_head.weight.dtype)).float()
+            # EAGLE-3 trains only where the target's choice is in the draft vocabulary.
+            return core.t2d[full.argmax(-1)].float(), full[:, core.t2d]
+
+        parts = [chunk(c) for c in range(0, len(nb), 4096)] or [chunk(0)]  # chunk(0) of no rows: empty
+        keep_all, draft_all = torch.cat([k for k, _ in parts]), torch.cat([p for _, p in parts])
+        del parts
         selections, labels = [], []
         for j in range(cfg.ttt_steps):
             # Step j of chain r predicts t_{r+j+2}: counted iff that token exists and is trained

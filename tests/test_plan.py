@@ -54,3 +54,17 @@ def test_plan_cli_prints_known_targets_offline(capsys):
     assert main(["plan", "recipes/llama-3.1-8b/eagle3.yaml", "--gpus", "8", "--preset", "zero2"]) == 0
     out = capsys.readouterr().out
     assert "target 8.03B params" in out and "| zero2 |" in out and "bytes/token" in out
+
+
+@pytest.mark.parametrize("case", ["tiny-eagle3", "tiny-medusa2", "tiny-distill"])
+def test_planned_memory_is_within_20_percent_of_the_allocations_measured_in_a_training_step(case):
+    # eval/bench/memory.py: the step's peak comes from torch's profiler (every CPU allocation and
+    # free); weights and optimizer state from the real tensors, which the planner must hit exactly.
+    from draftsmith.eval.bench import memory
+
+    r = memory.measure(memory.case_config(case))
+    planned, measured = r["planned"], r["measured"]
+    for part in ("target weights", "drafter weights", "optimizer"):
+        assert planned[part] == measured[part], part
+    for part in ("step peak", "total"):
+        assert 0.8 <= measured[part] / planned[part] <= 1.2, (part, measured[part], planned[part])

@@ -3,11 +3,13 @@ target's and the drafter's configs alone (both are built on the meta device: no 
 
 Assumptions, stated once: the target is held in its training dtype (bf16 on GPUs that run it; the
 recipe's `target_dtype` when explicit); it is a full copy on every rank except under ZeRO-3, which
-shards it (and ZeRO-3-offload, which moves it to CPU RAM; see PRESETS). Trainable weights are fp32 with bf16 autocast (accelerate),
-AdamW keeps two fp32 moments, gradients are fp32. Activations are an estimate: per decoder layer and
-token 2*(10 H + 4 I) bytes kept for backward (bf16, flash attention; after Korthikanti et al. 2022),
-plus the loss's fp32 logits (x3: logits, probabilities, their gradient) and the teacher's fp32
-distribution where the family reads one.
+shards it (and ZeRO-3-offload, which moves it to CPU RAM; see PRESETS). Trainable
+weights are fp32 with autocast (accelerate), AdamW keeps two fp32 moments, gradients are fp32.
+Activations are what is live at the step's peak for a micro-batch of full-length rows: each decoder
+layer keeps e*(10 H + 4 I) bytes per token for backward (e = 2 under bf16 autocast, 4 in fp32;
+flash/SDPA attention), plus the fp32 [tokens, vocabulary] buffers each family's loss holds, counted
+in its compute_loss, plus the target features it reads. eval/bench/memory.py checks all of it
+against the allocations torch's profiler records in a real training step on CPU.
 """
 
 from __future__ import annotations
@@ -81,26 +83,36 @@ def sizes(cfg: Config, tc) -> Sizes:
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     b_t = target_bytes(cfg)
     H, I, V = tc.hidden_size, tc.intermediate_size, tc.vocab_size
-    n = cfg.optim.batch_size * cfg.data.max_length  # tokens per micro-batch per rank
+    B, T = cfg.optim.batch_size, cfg.data.max_length
+    n = B * T  # tokens per micro-batch per rank, every row full length
+    # Element sizes: activations in the autocast dtype; every loss casts its logits to fp32.
+    # (`auto` is bf16 on the GPUs this plans for.)
+    e, f = 4 if precision.canonical(cfg.optim.mixed_precision, "optim.mixed_precision") == "float32" else 2, 4
     names = module.feature_names(dcfg, tc)
     feat_dims = sum(int(x.split(".")[1]) * 2 + 1 if x.startswith("logits_topk.") else H for x in names)
-    layer = 2 * (10 * H + 4 * I)  # bytes per token per decoder layer kept for backward
+    layer = e * (10 * H + 4 * I)  # bytes per token per decoder layer kept for backward (flash/SDPA attention)
     d = dcfg.__dict__
+    # What is live at the step's peak: the [n, vocab] fp32 buffers of each loss, counted in the
+    # family's compute_loss (eval/bench/memory.py measures them), plus the decoder layers' activations.
     if module.NAME in ("eagle", "eagle3"):
-        steps = d.get("ttt_steps", 1)
-        vd = d.get("draft_vocab_size") or V
-        act = n * steps * (layer + 12 * vd) + n * 4 * V  # layer + loss logits per step, teacher distribution
+        steps, vd = d.get("ttt_steps", 1), d.get("draft_vocab_size") or V
+        # the target's draft-vocab distribution and one copy per step's labels; per step the logits,
+        # softmax, log-softmax kept for backward; one transient product; the TTT masks (one [t, t(j+1)]
+        # block row per step, materialised in the activation dtype by SDPA)
+        unroll = n * f * vd * (2 + 4 * steps) + n * steps * layer + e * B * T * T * steps * (steps + 1) // 2
+        # ... unless the teacher's pass before it is higher: one full-vocabulary chunk of 4096 rows
+        act = max(unroll, f * (min(n, 4096) * V + 2 * n * vd))
     elif module.NAME == "medusa":
-        vd = d.get("draft_vocab_size") or V
-        act = n * d["num_heads"] * (12 * vd + 8 * H) + n * 4 * V
-        if d.get("backbone", "frozen") != "frozen":  # gradients flow through the whole backbone
-            act += n * tc.num_hidden_layers * layer + n * 8 * V
-    else:  # distill: the student's layers, its full-vocabulary loss, the teacher's distribution
+        heads, vd = d["num_heads"], d.get("draft_vocab_size") or V
+        # per head its logits, log-softmax and the soft labels' slice; the teacher's distribution once
+        act = n * heads * (f * 3 * vd + e * 8 * H) + n * f * V
+        if d.get("backbone", "frozen") != "frozen":  # the backbone's own logits and its KL to the original:
+            act += n * tc.num_hidden_layers * layer + n * f * 7 * V  # gradients flow through every layer
+    else:  # distill: the student's layers; its logits, their log-softmax and the divergence's terms, the teacher's
         student_layers = d.get("num_layers", tc.num_hidden_layers) if d.get("init", "truncate") == "truncate" \
             else drafter.config.num_hidden_layers
-        act = n * student_layers * layer + n * 12 * V + n * 4 * V
-    if names and not cfg.data.offline_features:
-        act += n * b_t * (2 * H + 2 * I)  # the target's forward for online features (no grad): one layer's transient
+        act = n * student_layers * layer + n * f * 7 * V
+    act += n * b_t * feat_dims  # the target's features the family reads (online or from the cache)
     return Sizes(sum(p.numel() for p in target.parameters()), sum(p.numel() for p in own), trainable, act,
                  feat_dims * b_t)
 
