@@ -48,6 +48,15 @@ def ttt_mask(t: int, step: int, padding: torch.Tensor) -> torch.Tensor:
     return torch.cat(blocks, dim=-1)
 
 
+def max_over_ranks(n: int, device: torch.device) -> int:
+    """The largest n of all ranks when a process group runs (n itself in one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return n
+    t = torch.tensor([n], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
+
+
 def draft_vocab(dataset, vocab: int, size: int) -> torch.Tensor:
     """The `size` most frequent target tokens among loss-masked (trained) tokens, sorted by id: the
     reduced draft vocabulary of EAGLE-3 heads and Medusa heads (FR-Spec, Zhao et al. 2025).
@@ -91,18 +100,18 @@ def frozen_target(drafter: torch.nn.Module, target):
     return target
 
 
-def save_drafter(module: torch.nn.Module, out: Path, meta: dict) -> Path:
-    """Write `config.json` + `model.safetensors` to a temp folder, then rename into place."""
+def save_drafter(module: torch.nn.Module, out: Path, meta: dict, state: dict | None = None) -> Path:
+    """Write `config.json` + `model.safetensors` to a temp folder, then rename into place. `state`:
+    the module's full tensors when it holds shards (FSDP gathers them on rank 0)."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state, seen = {}, set()
-    for k, v in module.state_dict().items():
-        if v.data_ptr() in seen:  # tied weights (a student's lm_head = its embeddings) are stored once
-            continue
-        seen.add(v.data_ptr())
-        state[k] = v.detach().to("cpu").contiguous()
+    # Tied weights (a student's lm_head = its embeddings) are stored once, under their first name:
+    # named_parameters() lists a shared parameter once.
+    unique = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+    full = module.state_dict() if state is None else state
+    state = {k: v.detach().to("cpu").contiguous() for k, v in full.items() if k in unique}
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps({"draftsmith_format": FORMAT_VERSION, **meta}, indent=2))
     if out.exists():

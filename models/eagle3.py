@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import FeatureProposer, draft_vocab, frozen_target, single_group, ttt_mask
+from draftsmith.models.common import FeatureProposer, draft_vocab, frozen_target, max_over_ranks, single_group, ttt_mask
 from draftsmith.models.eagle import layer_config
 from draftsmith.train.losses import soft_cross_entropy, topk_distillation_loss
 
@@ -174,7 +174,10 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
             # EAGLE-3 trains only where the target's choice is in the draft vocabulary.
             return core.t2d[full.argmax(-1)].float(), full[:, core.t2d]
 
-        parts = [chunk(c) for c in range(0, len(nb), 4096)] or [chunk(0)]  # chunk(0) of no rows: empty
+        # A sharded target (ZeRO-3, FSDP) gathers lm_head on every call, on all ranks together: every
+        # rank makes as many calls as the rank with the most rows (extra ones on no rows).
+        calls = max_over_ranks(-(-len(nb) // 4096), ids.device)
+        parts = [chunk(c) for c in range(0, 4096 * calls, 4096)] or [chunk(0)]  # chunk(0) of no rows: empty
         keep_all, draft_all = torch.cat([k for k, _ in parts]), torch.cat([p for _, p in parts])
         del parts
         selections, labels = [], []

@@ -38,12 +38,12 @@ def test_weights_gradients_and_optimizer_bytes_equal_real_tensors_after_a_step(t
 def test_presets_shard_what_they_say_and_the_table_says_what_fits(tiny_target_dir):
     cfg = load_config(None, [f"target={tiny_target_dir}", "drafter.type=medusa", "drafter.num_heads=2", "eval.k=2"])
     s = sizes(cfg, target_config(cfg.target))
-    ddp, z2, z3, off = (per_rank(s, p, 8, 2) for p in ("multi-gpu", "zero2", "zero3", "zero3-offload"))
+    ddp, z2, z3, off, fsdp = (per_rank(s, p, 8, 2) for p in ("multi-gpu", "zero2", "zero3", "zero3-offload", "fsdp"))
     assert z2["drafter weights"] == ddp["drafter weights"] and z2["optimizer"] == ddp["optimizer"] / 8
     assert z3["drafter weights"] == ddp["drafter weights"] / 8 and off["optimizer"] == 0
     # ZeRO-3 shards the frozen target too (an optimizer-less engine); its offload variant moves it to CPU RAM.
     assert z2["target weights"] == ddp["target weights"] and z3["target weights"] == ddp["target weights"] / 8
-    assert off["target weights"] == 0
+    assert off["target weights"] == 0 and fsdp["target weights"] == ddp["target weights"] / 8
     table = plan(cfg, gpus=8, gpu_memory_gib=1e-6)
     assert "| zero3 |" in table and table.rstrip().endswith("| no |")
     with pytest.raises(DraftsmithError, match="unknown .valid: single-gpu"):

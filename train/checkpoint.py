@@ -2,7 +2,8 @@
 every rank) + trainer_state.json (step, data position, processes, ZeRO stage) + resolved config.
 Written to a `.tmp` folder and renamed, so a crash never leaves a half-written `step-*` behind.
 Under DeepSpeed the weights and optimizer state are the engine's own checkpoint (`pytorch_model/`,
-one shard per rank under ZeRO); `save_final` gathers the full drafter for `final/`."""
+one shard per rank under ZeRO); `save_final` gathers the full drafter for `final/` (from ZeRO's
+partitions or FSDP's shards)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import json
 import re
 import shutil
 from pathlib import Path
+
+from accelerate.utils import DistributedType
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import save_drafter
@@ -112,6 +115,12 @@ def save_final(accelerator, drafter, out: Path, meta: dict) -> None:
     (safe_get_full_fp32_param assembles them, again on all ranks). Rank 0 saves the module with the
     masters swapped in, so `final/` matches what a DDP run of the same recipe writes."""
     model, zero = accelerator.unwrap_model(drafter), zero_stage(accelerator)
+    if accelerator.distributed_type == DistributedType.FSDP:  # FSDP2: each rank holds a shard of every tensor
+        full = accelerator.get_state_dict(drafter)  # collective; the whole fp32 tensors land on rank 0
+        if accelerator.is_main_process:
+            save_drafter(model, out, meta, full)
+        accelerator.wait_for_everyone()
+        return
     if zero == 0:
         if accelerator.is_main_process:
             save_drafter(model, out, meta)

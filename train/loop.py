@@ -144,9 +144,13 @@ def train(cfg: Config) -> Path:
     scheduler = make_scheduler(cfg, optimizer, total)
     if zero:
         fill_deepspeed_config(accelerator, cfg, target.config.get_text_config().hidden_size)
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    shares_target = {id(p) for p in drafter.parameters()} & {id(p) for p in target.parameters()}
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     sharded = shard_target(accelerator, target) if zero == 3 else None
+    if fsdp:
+        fsdp_shard_target(accelerator, target, bool(shares_target))
 
     step, epoch, pos = 0, 0, 0
     resume_from = checkpoint.find_resume(run_dir, cfg.resume)
@@ -230,11 +234,12 @@ def train(cfg: Config) -> Path:
     print0(f"saved drafter to {final}")
     if cfg.eval.enabled and accelerator.is_main_process:
         with whole_weights(accelerator):
-            # Under ZeRO-3 this rank holds a shard of the target: load it whole. Under DeepSpeed the
-            # drafter is an engine (sharded, or bf16 copies of fp32 masters): evaluate final/ instead.
-            if zero == 3 or cfg.eval.dtype != cfg.target_dtype:  # e.g. trained on bf16 features, evaluated in fp32
+            # Under ZeRO-3 and FSDP this rank holds a shard of the target: load it whole. Under
+            # DeepSpeed and FSDP the drafter is sharded (or bf16 copies of fp32 masters): evaluate final/.
+            if zero == 3 or fsdp or cfg.eval.dtype != cfg.target_dtype:  # e.g. trained on bf16 features, evaluated in fp32
                 target, _ = load_target(cfg.target, cfg.eval.dtype, cfg.cache_dir, accelerator.device)
-            drafter = load_drafter(final, target_to_load_on(target, final))[2] if zero else accelerator.unwrap_model(drafter)
+            drafter = load_drafter(final, target_to_load_on(target, final))[2] if zero or fsdp \
+                else accelerator.unwrap_model(drafter)
         param = next(target.parameters())
         drafter = drafter.to(param.dtype).eval()
         kwargs = dict(k=cfg.eval.k, num_prompts=cfg.eval.num_prompts, max_new_tokens=cfg.eval.max_new_tokens,
@@ -282,6 +287,12 @@ def make_accelerator(cfg: Config) -> Accelerator:
                                   "-m draftsmith.cli train ... (or launch.sh --preset zero3 --cpu-procs N)")
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
         cpu = False
+    if cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        # accelerate enables FSDP only on accelerators and otherwise prepares bare modules: every rank
+        # would train on its own, silently. (The target's FSDP sharding, fsdp_shard_target, is tested
+        # on CPU by itself: tests/test_fsdp.py.)
+        raise DraftsmithError("the fsdp preset needs GPUs: accelerate enables FSDP only on accelerators; on CPUs "
+                              "use --preset zero3 (which shards the target too) or zero2")
     # Otherwise, without CUDA, cpu=True makes a multi-process launch (torchrun / accelerate --multi_gpu)
     # form a gloo process group instead of N independent single-process runs.
     accelerator = Accelerator(cpu=cpu, **kwargs)
@@ -369,10 +380,46 @@ def shard_target(accelerator: Accelerator, target):
 
 
 def _held_bytes(model) -> int:
-    """Parameter bytes this rank holds: its ZeRO-3 partition plus whatever is whole (persistent or
+    """Parameter bytes this rank holds: its ZeRO-3 / FSDP shard plus whatever is whole (persistent or
     gathered parameters, or all of them before sharding)."""
-    return sum((p.data.numel() + (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else 0)) * p.element_size()
+    def local(p):  # an FSDP2 parameter is a DTensor: its local shard; a ZeRO-3 one keeps ds_tensor
+        return p.to_local() if hasattr(p, "to_local") else p.data
+
+    return sum((local(p).numel() + (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else 0)) * p.element_size()
                for p in model.parameters())
+
+
+# --- FSDP -----------------------------------------------------------------------------------------
+# accelerate's FSDP plugin (recipes/accelerate/fsdp.yaml, FSDP2) shards the drafter it prepares; the
+# frozen target is not prepared (nothing to optimise), so it is sharded here with the same engine.
+
+def fsdp_shard_target(accelerator: Accelerator, target, shares_weights: bool = False) -> None:
+    """Shard the frozen target with torch's FSDP2 (`fully_shard`): each rank keeps 1/world of every
+    parameter and a unit's weights are all-gathered only while it runs. Nothing requires grad, so
+    there are no gradients or optimizer state, but gradients flow through it (EAGLE's loss goes
+    through the target's lm_head). The loop calls the target's parts separately (its decoder for
+    features, lm_head for teacher distributions, input embeddings for EAGLE's token inputs), so each
+    is a unit of its own: every decoder layer, the final norm, and the embeddings with lm_head as one
+    group (they may be one tied tensor). That covers every parameter, so the decoder and the model
+    are not wrapped: fully_shard swaps a module's class, and transformers finds what a model can
+    record (output_hidden_states) by its class. A target whose weights belong to the drafter
+    (Medusa-2's LoRA backbone, heads sharing lm_head) stays as prepared."""
+    if shares_weights:
+        accelerator.print("target: its weights are part of the drafter, sharded with it by FSDP")
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    full, decoder = _held_bytes(target), target.get_decoder()
+    for layer in decoder.layers:
+        fully_shard(layer)
+    fully_shard(decoder.norm)
+    fully_shard([target.get_input_embeddings(), target.get_output_embeddings()])
+    fully_shard(target)
+    with torch.no_grad():  # one root forward (every rank): initialises FSDP with the model as its root
+        target(input_ids=torch.zeros(1, 1, dtype=torch.long, device=accelerator.device))
+    held = accelerator.gather(torch.tensor([_held_bytes(target)], device=accelerator.device)).tolist()
+    accelerator.print(f"target sharded by FSDP: {' / '.join(f'{b / 2**20:.2f}' for b in held)} MiB per rank "
+                      f"of {full / 2**20:.2f} MiB (per-rank bytes {held}, full {full})")
 
 
 def autocast(accelerator: Accelerator, cfg: Config, zero: int):

@@ -2,8 +2,8 @@
 target's and the drafter's configs alone (both are built on the meta device: no weights loaded).
 
 Assumptions, stated once: the target is held in its training dtype (bf16 on GPUs that run it; the
-recipe's `target_dtype` when explicit); it is a full copy on every rank except under ZeRO-3, which
-shards it (and ZeRO-3-offload, which moves it to CPU RAM; see PRESETS). Trainable
+recipe's `target_dtype` when explicit); it is a full copy on every rank except under ZeRO-3 and FSDP,
+which shard it (and ZeRO-3-offload, which moves it to CPU RAM; see PRESETS). Trainable
 weights are fp32 with autocast (accelerate), AdamW keeps two fp32 moments, gradients are fp32.
 Activations are what is live at the step's peak for a micro-batch of full-length rows: each decoder
 layer keeps e*(10 H + 4 I) bytes per token for backward (e = 2 under bf16 autocast, 4 in fp32;
@@ -36,7 +36,7 @@ KNOWN_TARGETS = {
 }
 # Which of (target weights, drafter weights, gradients, optimizer state) each preset shards over the
 # ranks, and which it moves to CPU RAM. ZeRO-3 shards the frozen target too (train/loop.py
-# `shard_target`, an optimizer-less DeepSpeed engine); FSDP through accelerate wraps only the drafter.
+# `shard_target`, an optimizer-less DeepSpeed engine), and so does FSDP (`fsdp_shard_target`, FSDP2).
 PRESETS = {
     "single-gpu": {"shard": (), "offload": ()},
     "multi-gpu": {"shard": (), "offload": ()},
@@ -44,7 +44,7 @@ PRESETS = {
     "zero2": {"shard": ("grads", "optimizer"), "offload": ()},
     "zero3": {"shard": ("target", "weights", "grads", "optimizer"), "offload": ()},
     "zero3-offload": {"shard": ("target", "weights", "grads", "optimizer"), "offload": ("target", "weights", "optimizer")},
-    "fsdp": {"shard": ("weights", "grads", "optimizer"), "offload": ()},
+    "fsdp": {"shard": ("target", "weights", "grads", "optimizer"), "offload": ()},
 }
 GiB = 2**30
 
