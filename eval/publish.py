@@ -7,22 +7,31 @@ from huggingface_hub's own lookup (HF_TOKEN or `hf auth login`); it is never pri
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.data.features import target_features
 from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.data.regenerate import eos_ids
 from draftsmith.eval.report import _where, format_table
 from draftsmith.eval.speculative import Stats, speculative_decode
+from draftsmith.models.common import causal_mask
 from draftsmith.models.export import FORMATS, export, import_export
 from draftsmith.models.registry import load_drafter, target_to_load_on
 from draftsmith.models.target import served_name
 
 DEFAULT_FORMAT = {"eagle": "vllm", "eagle3": "speculators", "medusa": "vllm", "distill": "hf"}
+# speculators' forward vs draftsmith's drafter, both in fp32 on the same inputs: only the order of
+# operations differs (speculators' flex/eager attention, draftsmith's sdpa): measured 7e-8 on the
+# tests' tiny export, 6e-6 on the quickstart smollm2-135m one. A mapping error moves logits far more
+# (reversed aux layer ids: 0.37, argmax agreement 13%, in tests/test_publish.py).
+SPECULATORS_TOL = 1e-4
 
 
 class Recorder:
@@ -96,24 +105,38 @@ def verify_export(drafter_dir: Path, exported: Path, target, tok, holdout: str, 
            "params": sum(p.numel() for p in getattr(own, "heads", own).parameters())}
     out["passed"] = agree == 1.0 and len(a) == len(b) and len(la) == len(lb) and out["logit_argmax_agreement"] == 1.0
     if json.loads((exported / "config.json").read_text()).get("speculators_model_type"):
-        out["speculators"] = speculators_load_check(exported)
+        # fp32 copy of our drafter: the comparison measures the two implementations, not the target's dtype
+        ours = module.make_proposer(copy.deepcopy(own).float(), verifier, cfg)
+        prompt_ids = [encode_prompt(tok, p) for p in load_prompts(holdout, prompts)]
+        out["speculators"] = speculators_check(exported, verifier, ours, prompt_ids)
         out["passed"] = out["passed"] and out["speculators"].get("passed", True)
     return out
 
 
-def speculators_load_check(exported: Path) -> dict:
+def speculators_check(exported: Path, target, ours, prompt_ids: list[list[int]]) -> dict:
+    """speculators' own loader, then its own forward next to our drafter (`ours`, a FeatureProposer).
+    Only EAGLE-3 exports to speculators: draftsmith has no EAGLE-1 speculators format, and
+    speculators 0.9.0 has no EAGLE-1 model class."""
+    check, model = speculators_load_check(exported)
+    if model is not None:
+        check["forward"] = speculators_forward_check(model, target, ours, prompt_ids)
+        check["passed"] = check["passed"] and check["forward"]["passed"]
+    return check
+
+
+def speculators_load_check(exported: Path) -> tuple[dict, object]:
     """Load a speculators-format folder with speculators' own `SpeculatorModel.from_pretrained`, and
-    check that every tensor of model.safetensors arrived unchanged under its name. Skipped (and said
-    so) when speculators is not installed. Its verifier is named by hub id in the config; a local
-    folder for it (draftsmith's embedded target) is put in a temporary copy of the config, so the
-    check runs offline. Install without letting pip replace the CPU torch or transformers:
+    check that every tensor of model.safetensors arrived unchanged under its name -> (result, the
+    loaded model or None). Skipped (and said so) when speculators is not installed. Its verifier is
+    named by hub id in the config; a local folder for it (draftsmith's embedded target) is put in a
+    temporary copy of the config, so the check runs offline. Install without letting pip replace the CPU torch or transformers:
     `pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 && pip install loguru openai
     pydantic-settings aiohttp` (speculators 0.9.0 declares transformers<=5.19 and torchvision)."""
     import importlib.util
     import tempfile
 
     if importlib.util.find_spec("speculators") is None:
-        return {"checked": False, "why": "speculators is not installed"}
+        return {"checked": False, "why": "speculators is not installed"}, None
     from importlib.metadata import version
 
     from safetensors.torch import load_file
@@ -131,13 +154,68 @@ def speculators_load_check(exported: Path) -> dict:
             model = SpeculatorModel.from_pretrained(tmp)
         except Exception as e:  # the consumer refuses the folder: that is the finding
             return {"checked": True, "version": version("speculators"), "passed": False,
-                    "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+                    "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}, None
     loaded, stored = model.state_dict(), load_file(exported / "model.safetensors")
     unused = sorted(set(stored) - set(loaded))
     diff = max(((loaded[n].float() - t.float()).abs().max().item() for n, t in stored.items() if n in loaded), default=0.0)
     return {"checked": True, "version": version("speculators"), "class": type(model).__name__,
             "tensors": len(stored), "unused_tensors": unused, "max_abs_diff": diff,
-            "from_verifier": sorted(set(loaded) - set(stored)), "passed": not unused and diff == 0.0}
+            "from_verifier": sorted(set(loaded) - set(stored)), "passed": not unused and diff == 0.0}, model
+
+
+@torch.no_grad()
+def speculators_forward_check(model, target, ours, prompt_ids: list[list[int]]) -> dict:
+    """Run speculators' own `Eagle3DraftModel.forward` on real target features of each prompt and
+    compare its first-draft-step logits at every prompt position with our drafter's (`ours`, an fp32
+    FeatureProposer), in the target vocabulary. Its aux ids index transformers' hidden_states (entry
+    0 = embeddings) and are read from its own config, so a wrong id in the export shows here."""
+    device = next(target.parameters()).device
+    model, theirs, mine = model.float().to(device).eval(), [], []
+    for p in prompt_ids:
+        x, t = torch.tensor([p], device=device), len(p) - 1
+        pos, nxt = torch.arange(t, device=device)[None], x[:, 1:]  # row r: feature of x_r, token x_{r+1}
+        hs = target.get_decoder()(input_ids=x[:, :t], output_hidden_states=True).hidden_states
+        aux = torch.cat([hs[i] for i in model.config.eagle_aux_hidden_state_layer_ids], dim=-1).float()
+        try:
+            small = _speculators_first_step(model, aux, nxt, pos)
+        except Exception as e:  # speculators cannot run the folder: that is the finding
+            return {"passed": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+        feats = {n: f.float() for n, f in target_features(target, {"input_ids": x[:, :t]}, ours.feature_names).items()}
+        mine.append(ours.logits(ours.step(ours.to_hidden(feats), ours.embed(nxt).float(), pos,
+                                          causal_mask(t, t, device=device), None))[0])
+        theirs.append(_to_target_vocab(small, model.d2t, mine[-1].shape[-1]))
+    a, b = torch.cat(mine), torch.cat(theirs)
+    diff, argmax = _logit_diff(a, b), (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    why = []
+    if argmax < 1:
+        why.append(f"argmax agreement {argmax:.1%} < 100%")
+    if not diff <= SPECULATORS_TOL:  # nan fails too
+        why.append(f"max |Δ logits| {diff:.1e} > {SPECULATORS_TOL:.0e}")
+    return {"rows": len(a), "max_abs_logit_diff": diff, "logit_argmax_agreement": round(argmax, 4),
+            "tolerance": SPECULATORS_TOL, "passed": not why, **({"why": "; ".join(why)} if why else {})}
+
+
+def _speculators_first_step(model, aux: torch.Tensor, next_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """speculators' forward with ttt_steps=1 (EAGLE-3's first draft step; more steps need flex
+    attention lengths that are multiples of 128) -> its draft-vocab logits [T, V_draft]. The forward
+    returns draft tokens, not logits, so a hook on its lm_head takes them."""
+    grab = []
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: grab.append(out[0]))
+    try:
+        with warnings.catch_warnings():  # flex attention without torch.compile: slow, not wrong
+            warnings.simplefilter("ignore")
+            model(hidden_states=aux, input_ids=next_ids, document_ids=torch.zeros_like(next_ids), position_ids=pos,
+                  ttt_steps=1)
+    finally:
+        hook.remove()
+    return grab[0]
+
+
+def _to_target_vocab(small: torch.Tensor, d2t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft-vocab logits [T, V_draft] -> [T, vocab], -inf off the draft vocabulary; speculators'
+    d2t is ours: target id = draft id + d2t[draft id]."""
+    ids = torch.arange(small.shape[-1], device=small.device)
+    return small.new_full((small.shape[0], vocab), float("-inf")).index_copy(-1, ids + d2t[ids], small)
 
 
 def serving_snippet(family: str, fmt: str, repo_id: str, target: str, k: int) -> str:
@@ -200,7 +278,16 @@ def speculators_line(parity: dict) -> str:
     if "error" in check:
         return f" speculators {check['version']} `SpeculatorModel.from_pretrained` refused it: {check['error']}."
     return (f" speculators {check['version']} `SpeculatorModel.from_pretrained` loaded it as {check['class']}: "
-            f"{check['tensors']} tensors, unused {check['unused_tensors'] or 'none'}, max |Δ| {check['max_abs_diff']:.1e}.")
+            f"{check['tensors']} tensors, unused {check['unused_tensors'] or 'none'}, max |Δ| {check['max_abs_diff']:.1e}"
+            f"{_forward_words(check['forward'])}.")
+
+
+def _forward_words(fwd: dict) -> str:
+    if "error" in fwd:
+        return f"; running its forward failed: {fwd['error']}"
+    return (f"; and ran it (first draft step, every prompt position): max |Δ logits| {fwd['max_abs_logit_diff']:.2e} "
+            f"over {fwd['rows']} rows, argmax agreement {fwd['logit_argmax_agreement']:.1%}"
+            f"{'' if fwd['passed'] else ' — FAILED: ' + fwd['why']}")
 
 
 def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None = None, out: str | Path | None = None,

@@ -3,6 +3,7 @@ through huggingface_hub's API boundary (mocked; no network)."""
 
 import importlib.util
 import json
+import re
 
 import pytest
 
@@ -77,7 +78,10 @@ def test_upload_goes_through_huggingface_hub_and_the_token_never_shows(run, tiny
     printed = capsys.readouterr()
     assert "hf_SECRET" not in printed.out + printed.err
     assert not any("hf_SECRET" in p.read_bytes().decode("latin-1") for p in out.iterdir())
-    assert "vllm serve me/eagle3-tiny" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "vllm serve me/eagle3-tiny" in card
+    if importlib.util.find_spec("speculators"):  # the card states that speculators ran the drafter too
+        assert "and ran it (first draft step, every prompt position)" in card and "argmax agreement 100.0%." in card
 
 
 def test_refusals_are_one_line_errors(run, tiny_target_dir, monkeypatch, capsys):
@@ -132,6 +136,10 @@ def test_export_verify_reports_serving_parity_and_catches_a_bad_mapping(run, tin
     assert "max |Δ logits| 0.00e+00" in out and "(argmax agreement 100.0%)" in out
     if importlib.util.find_spec("speculators"):  # scripts/setup.sh installs it; the check says when it is absent
         assert "`SpeculatorModel.from_pretrained` loaded it as Eagle3DraftModel" in out and "unused none" in out
+        # speculators' own forward ran next to the drafter: fp32 rounding only, same argmax everywhere
+        ran = re.search(r"and ran it \(first draft step, every prompt position\): max \|Δ logits\| (\S+) over (\d+) "
+                        r"rows, argmax agreement 100\.0%\.", out)
+        assert ran and float(ran[1]) < 1e-5 and int(ran[2]) > 0, out
     else:
         assert "speculators' own loader was not run (speculators is not installed)" in out
     real = export_module.read_export
@@ -146,6 +154,29 @@ def test_export_verify_reports_serving_parity_and_catches_a_bad_mapping(run, tin
     captured = capsys.readouterr()
     assert "does not draft like the drafter" in captured.err
     assert "max |Δ logits| 0.00e+00" not in captured.out
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("speculators"), reason="speculators is not installed")
+def test_speculators_forward_catches_what_the_load_check_and_our_reading_cannot(run, tiny_target_dir, chat_jsonl,
+                                                                               capsys, monkeypatch):
+    """Reversed aux layer ids in the exported config: every tensor still loads unchanged, and our own
+    re-reading (which takes the layers from the draftsmith section) drafts the same, but speculators'
+    forward fuses the wrong order of layers."""
+    from draftsmith.models import export as export_module
+
+    real = export_module._eagle3_speculators
+
+    def reversed_ids(drafter, meta, target):
+        config, state = real(drafter, meta, target)
+        config["eagle_aux_hidden_state_layer_ids"] = config["eagle_aux_hidden_state_layer_ids"][::-1]
+        return config, state
+
+    monkeypatch.setattr(export_module, "_eagle3_speculators", reversed_ids)
+    assert main(["export", str(run / "final"), "--format", "speculators", "--out", str(run / "spec"), "--verify",
+                 "--target", str(tiny_target_dir), "--data", str(chat_jsonl)]) == 1
+    out = capsys.readouterr().out
+    assert "draft-token agreement 100.0%" in out and "max |Δ logits| 0.00e+00" in out and "unused none, max |Δ| 0.0e+00" in out
+    assert "— FAILED: " in out and "> 1e-04" in out, out
 
 
 def _train(target_dir, data, tmp_path, family: str, extra: dict):
