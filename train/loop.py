@@ -125,12 +125,16 @@ def train(cfg: Config) -> Path:
     # --- drafter, optimizer, schedule ---------------------------------------------------------
     # A family that trains the target (Medusa-2) wraps it here: adapters injected, or a trainable copy.
     init_state = None
+    # The same initial drafter on every rank: DDP and DeepSpeed broadcast rank 0's, but FSDP2 keeps
+    # each rank's own slice of what it built. Then back to per-rank streams (feature noise).
+    set_seed(cfg.optim.seed)
     with whole_weights(accelerator):
         drafter = module.build(dcfg, target, ds).to(accelerator.device)
         if cfg.init_from:  # domain fine-tuning: start from a trained drafter; kept to evaluate it "before"
             init_weights(drafter, module.NAME, cfg.init_from, target, allow_stale=cfg.init_from_stale)
             init_state = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
             print0(f"initialised from {cfg.init_from}")
+    set_seed(cfg.optim.seed + rank)
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     groups = module.param_groups(drafter, dcfg, cfg.optim.lr)  # e.g. heads and backbone at their own lrs
     optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
