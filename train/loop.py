@@ -92,9 +92,14 @@ def train(cfg: Config) -> Path:
     # --- target (frozen) and data -------------------------------------------------------------
     phases, t_phase = {}, time.perf_counter()  # wall seconds per phase, printed and saved at the end
     module, dcfg = drafter_module(cfg.drafter["type"]), drafter_config(cfg)
-    # rank 0 dequantizes/caches the embedded target first; under ZeRO-3 it is loaded whole, sharded later
+    # rank 0 dequantizes/caches the embedded target first. Under ZeRO-3 and FSDP it is loaded whole
+    # into CPU RAM and sharded onto the devices after the drafter is prepared: a 70B target does not
+    # fit one GPU. It runs on the GPU until then (regeneration, the feature cache) when it fits there.
+    sharded_target = zero == 3 or accelerator.distributed_type == DistributedType.FSDP
     with accelerator.main_process_first(), whole_weights(accelerator):
-        target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir, accelerator.device)
+        target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir, "cpu" if sharded_target else accelerator.device)
+        if sharded_target and fits_whole(target, accelerator.device):
+            target.to(accelerator.device)
         ensure_pad(tok)
         fp = fingerprint(target)
         # The target tensors this family trains on; none for families that compute them with
@@ -376,11 +381,23 @@ def shard_target(accelerator: Accelerator, target):
               "gradient_accumulation_steps": ds["gradient_accumulation_steps"], "zero_optimization": zero,
               # the target keeps target_dtype whatever precision the drafter trains in
               "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
+    # Partition each parameter onto this rank's device, one at a time (from CPU RAM for a target too
+    # big for one GPU); the engine then leaves placement alone, so the buffers (rotary) move here.
+    deepspeed.zero.Init(module=target, config_dict_or_path=config, mem_efficient_linear=False)
+    for buffer in target.buffers():
+        buffer.data = buffer.data.to(accelerator.device)
     engine = deepspeed.initialize(model=target, config=config)[0]
     held = accelerator.gather(torch.tensor([_held_bytes(target)], device=accelerator.device)).tolist()
     accelerator.print(f"target sharded by ZeRO-3: {' / '.join(f'{b / 2**20:.2f}' for b in held)} MiB per rank "
                       f"of {full / 2**20:.2f} MiB (per-rank bytes {held}, full {full})")
     return engine
+
+
+def fits_whole(model, device: torch.device) -> bool:
+    """Whether a whole copy of `model` fits in half of the device's free memory (CPU RAM: it is there)."""
+    if device.type != "cuda":
+        return True
+    return _held_bytes(model) < 0.5 * torch.cuda.mem_get_info(device)[0]
 
 
 def _held_bytes(model) -> int:
