@@ -29,6 +29,8 @@ def test_packages_import_only_downwards_and_leaves_import_nothing():
     for package, level in LAYERS.items():
         for path in sorted((ROOT / package).rglob("*.py")):
             name = "draftsmith." + ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            if name.startswith("draftsmith.eval.bench."):  # benchmarks are scripts over everything, as the CLI is
+                continue
             for imported in _imports(path):
                 parts = imported.split(".")
                 if name in LEAVES:

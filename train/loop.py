@@ -298,8 +298,8 @@ def make_accelerator(cfg: Config) -> Accelerator:
         cpu = False
     if cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         # accelerate enables FSDP only on accelerators and otherwise prepares bare modules: every rank
-        # would train on its own, silently. (The target's FSDP sharding, fsdp_shard_target, is tested
-        # on CPU by itself: tests/test_fsdp.py.)
+        # would train on its own, silently. (tests/test_fsdp.py runs this loop under FSDP on CPUs by
+        # giving the Accelerator the state it has on GPUs.)
         raise DraftsmithError("the fsdp preset needs GPUs: accelerate enables FSDP only on accelerators; on CPUs "
                               "use --preset zero3 (which shards the target too) or zero2")
     # Otherwise, without CUDA, cpu=True makes a multi-process launch (torchrun / accelerate --multi_gpu)
@@ -421,10 +421,10 @@ def fsdp_shard_target(accelerator: Accelerator, target, shares_weights: bool = F
     through the target's lm_head). The loop calls the target's parts separately (its decoder for
     features, lm_head for teacher distributions, input embeddings for EAGLE's token inputs), so each
     is a unit of its own: every decoder layer, the final norm, and the embeddings with lm_head as one
-    group (they may be one tied tensor). That covers every parameter, so the decoder and the model
-    are not wrapped: fully_shard swaps a module's class, and transformers finds what a model can
-    record (output_hidden_states) by its class. A target whose weights belong to the drafter
-    (Medusa-2's LoRA backbone, heads sharing lm_head) stays as prepared."""
+    group (they may be one tied tensor). The decoder is not a unit: fully_shard swaps a module's
+    class, and transformers finds what a model can record (output_hidden_states) by its class. The
+    model is, as FSDP's root (one forward on one token initialises it). A target whose weights
+    belong to the drafter (Medusa-2's LoRA backbone, heads sharing lm_head) stays as prepared."""
     if shares_weights:
         accelerator.print("target: its weights are part of the drafter, sharded with it by FSDP")
         return
