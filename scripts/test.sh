@@ -16,7 +16,8 @@ if [ $# -gt 0 ]; then
 else
   # Unit tests in parallel, one pytest-xdist worker per core, one torch thread per worker: the tiny
   # models are dominated by Python overhead, so two workers halve the time where two threads each
-  # would only contend (on 2 cores: about 3.7 min against 8).
-  phase "unit tests" env OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n auto -m "not integration"
+  # would only contend (on 2 cores: about 3.7 min against 8). Tests that launch 2 processes share
+  # one worker (xdist_group "multiprocess"), so no two of them run at once.
+  phase "unit tests" env OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n auto --dist loadgroup -m "not integration"
   phase "integration tests" .venv/bin/python -m pytest -q -m integration
 fi

@@ -10,6 +10,9 @@ import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+# Tests that launch 2 processes run one at a time on one pytest-xdist worker (`--dist loadgroup`):
+# two such launches at once put 4 processes on 2 cores, where DeepSpeed's and gloo's waits spin.
+MULTIPROCESS = pytest.mark.xdist_group("multiprocess")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

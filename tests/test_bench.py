@@ -3,6 +3,7 @@
 import torch
 
 from draftsmith.eval.bench import verify_cost
+from tests.conftest import MULTIPROCESS
 
 
 def test_verify_cost_prints_a_row_per_dtype_and_kernels(tiny_target_dir, capsys):
@@ -38,6 +39,7 @@ def test_staleness_update_makes_a_loadable_different_target(tiny_target, chat_js
     assert not torch.allclose(updated(x).logits, target(x).logits)
 
 
+@MULTIPROCESS
 def test_scaling_bench_runs_one_and_two_processes_on_the_same_global_batch(tiny_target_dir, chat_jsonl, tmp_path, capsys):
     import json
 

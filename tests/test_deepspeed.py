@@ -23,7 +23,10 @@ from draftsmith import DraftsmithError
 from draftsmith.train.checkpoint import _check_layout
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import fill_deepspeed_config, train
+from tests.conftest import MULTIPROCESS
 from tests.test_train import _overrides, _weights
+
+pytestmark = MULTIPROCESS
 
 ROOT = Path(__file__).resolve().parents[1]
 no_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,

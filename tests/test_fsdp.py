@@ -16,6 +16,9 @@ from draftsmith import DraftsmithError
 from draftsmith.train.config import load_config, resolve_precision
 from draftsmith.train.loop import make_accelerator
 
+from tests.conftest import MULTIPROCESS
+
+pytestmark = MULTIPROCESS
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

@@ -17,6 +17,7 @@ from draftsmith.eval.report import REPORT_KEYS
 from draftsmith.train import checkpoint
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import train
+from tests.conftest import MULTIPROCESS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,6 +134,7 @@ def test_offline_features_match_online_and_cost_4H_bytes_per_fp32_token(tiny_tar
     assert first[1] == first[2]
 
 
+@MULTIPROCESS
 @pytest.mark.parametrize("family", [{"drafter.feature_noise": 0}, {"drafter.type": "medusa", "drafter.num_heads": 2},
                                     MEDUSA2, DISTILL], ids=["eagle", "medusa", "medusa2", "distill"])
 def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_dir, chat_jsonl, tmp_path, family):
