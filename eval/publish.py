@@ -174,13 +174,17 @@ def speculators_forward_check(model, target, ours, prompt_ids: list[list[int]]) 
     for p in prompt_ids:
         x, t = torch.tensor([p], device=device), len(p) - 1
         pos, nxt = torch.arange(t, device=device)[None], x[:, 1:]  # row r: feature of x_r, token x_{r+1}
-        hs = target.get_decoder()(input_ids=x[:, :t], output_hidden_states=True).hidden_states
-        aux = torch.cat([hs[i] for i in model.config.eagle_aux_hidden_state_layer_ids], dim=-1).float()
+        # One target pass gives both sides their layers: speculators' id i is transformers'
+        # hidden_states[i], i.e. the output of layer i-1 (`hidden.{i-1}`; 0 is the embeddings).
+        ids = model.config.eagle_aux_hidden_state_layer_ids
+        names = tuple(dict.fromkeys([*ours.feature_names, *(f"hidden.{i - 1}" for i in ids if i > 0)]))
+        feats = {n: f.float() for n, f in target_features(target, {"input_ids": x[:, :t]}, names).items()}
+        aux = torch.cat([feats[f"hidden.{i - 1}"] if i > 0 else target.get_input_embeddings()(x[:, :t]).float()
+                         for i in ids], dim=-1)
         try:
             small = _speculators_first_step(model, aux, nxt, pos)
         except Exception as e:  # speculators cannot run the folder: that is the finding
             return {"passed": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-        feats = {n: f.float() for n, f in target_features(target, {"input_ids": x[:, :t]}, ours.feature_names).items()}
         mine.append(ours.logits(ours.step(ours.to_hidden(feats), ours.embed(nxt).float(), pos,
                                           causal_mask(t, t, device=device), None))[0])
         theirs.append(_to_target_vocab(small, model.d2t, mine[-1].shape[-1]))

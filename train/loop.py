@@ -95,7 +95,8 @@ def train(cfg: Config) -> Path:
     # rank 0 dequantizes/caches the embedded target first. Under ZeRO-3 and FSDP it is loaded whole
     # into CPU RAM and sharded onto the devices after the drafter is prepared: a 70B target does not
     # fit one GPU. It runs on the GPU until then (regeneration, the feature cache) when it fits there.
-    sharded_target = zero == 3 or accelerator.distributed_type == DistributedType.FSDP
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    sharded_target = zero == 3 or fsdp
     with accelerator.main_process_first(), whole_weights(accelerator):
         target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir, "cpu" if sharded_target else accelerator.device)
         if sharded_target and fits_whole(target, accelerator.device):
@@ -153,13 +154,14 @@ def train(cfg: Config) -> Path:
     scheduler = make_scheduler(cfg, optimizer, total)
     if zero:
         fill_deepspeed_config(accelerator, cfg, target.config.get_text_config().hidden_size)
-    fsdp = accelerator.distributed_type == DistributedType.FSDP
-    shares_target = {id(p) for p in drafter.parameters()} & {id(p) for p in target.parameters()}
+    # Medusa-2's LoRA backbone and a Medusa head sharing lm_head hold target weights: the drafter's
+    # engine shards those with the drafter, and the rest of the target stays whole.
+    shares_target = bool({id(p) for p in drafter.parameters()} & {id(p) for p in target.parameters()})
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    sharded = shard_target(accelerator, target) if zero == 3 else None
+    sharded = shard_target(accelerator, target, shares_target) if zero == 3 else None
     if fsdp:
-        fsdp_shard_target(accelerator, target, bool(shares_target))
+        fsdp_shard_target(accelerator, target, shares_target)
 
     step, epoch, pos = 0, 0, 0
     resume_from = checkpoint.find_resume(run_dir, cfg.resume)
@@ -359,7 +361,7 @@ def whole_weights(accelerator: Accelerator):
         plugin.set_deepspeed_weakref()
 
 
-def shard_target(accelerator: Accelerator, target):
+def shard_target(accelerator: Accelerator, target, shares_weights: bool = False):
     """ZeRO-3: partition the frozen target over the ranks too, as TRL does for reference models. An
     engine without an optimizer keeps 1/world of each parameter per rank and gathers a module's
     weights only while it runs (forward, and backward through it: EAGLE's loss goes through the
@@ -368,7 +370,7 @@ def shard_target(accelerator: Accelerator, target):
     LoRA backbone, a Medusa head sharing the lm_head): the rest of the target then stays whole."""
     import deepspeed
 
-    if any(hasattr(p, "ds_id") for p in target.parameters()):
+    if shares_weights:
         accelerator.print("target: its weights are part of the drafter, sharded with it by the drafter's engine")
         return None
     ds, h = accelerator.state.deepspeed_plugin.deepspeed_config, target.config.get_text_config().hidden_size
