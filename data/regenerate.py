@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -100,15 +102,8 @@ def regenerate(target, tok, data: str, out: Path, batch_size: int = 8, max_new_t
                features_out: Path | None = None, fingerprint: str = "") -> Path:
     """Answer every prompt of `data`; write records (messages + exact ids) to `out` and, with
     `names`, the target features of every token to `features_out` (data/features.py format)."""
-    require_chat_template(tok, "data regenerate")
-    rows = read_records(data)[: max_examples or None]
-    prompts = []
-    for n, row in enumerate(rows):
-        item = to_messages(row, f"{data}: record {n}")
-        prompts.append([{"role": "user", "content": item}] if isinstance(item, str) else prompt_messages(item))
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
+    prompts = _prompts(tok, data, max_examples)
+    out, partial = Path(out), _partial(out)
     done = _done_ids(partial)
     writer = ShardWriter(features_out, names, fingerprint, target.config.hidden_size, resume=True) if names else None
     ids = {i: encode_prompt(tok, p) for i, p in enumerate(prompts) if i not in done}
@@ -126,10 +121,35 @@ def regenerate(target, tok, data: str, out: Path, batch_size: int = 8, max_new_t
             if writer:  # features first: a record is only ever written once its features are on disk
                 writer.write_shard({i: feats for i, (_, feats) in zip(batch, results)})
             for i, (answer, _) in zip(batch, results):
-                text = tok.decode(answer, skip_special_tokens=True).strip()
-                f.write(json.dumps({"id": i, "messages": prompts[i] + [{"role": "assistant", "content": text}],
-                                    "prompt_ids": ids[i], "completion_ids": answer}) + "\n")
+                f.write(_record(tok, i, prompts[i], ids[i], answer) + "\n")
             f.flush()
+    return _finish(partial, out, writer)
+
+
+def _prompts(tok, data: str, max_examples: int) -> list[list[dict]]:
+    """The prompt messages of every record (their answers, if any, are what regeneration replaces)."""
+    require_chat_template(tok, "data regenerate")
+    prompts = []
+    for n, row in enumerate(read_records(data)[: max_examples or None]):
+        item = to_messages(row, f"{data}: record {n}")
+        prompts.append([{"role": "user", "content": item}] if isinstance(item, str) else prompt_messages(item))
+    return prompts
+
+
+def _partial(out: Path) -> Path:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    return Path(out).with_name(Path(out).name + ".partial")
+
+
+def _record(tok, i: int, prompt: list[dict], prompt_ids: list[int], answer: list[int]) -> str:
+    """One jsonl line: the exact ids (what training tokenizes), and the decoded answer for reading."""
+    text = tok.decode(answer, skip_special_tokens=True).strip()
+    return json.dumps({"id": i, "messages": prompt + [{"role": "assistant", "content": text}],
+                       "prompt_ids": prompt_ids, "completion_ids": answer})
+
+
+def _finish(partial: Path, out: Path, writer=None) -> Path:
+    """Every prompt answered: OUT sorted by id (and the feature index) appear, the partial file goes."""
     lines = sorted(partial.read_text().splitlines(), key=lambda l: json.loads(l)["id"])
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text("".join(l + "\n" for l in lines))
@@ -140,13 +160,61 @@ def regenerate(target, tok, data: str, out: Path, batch_size: int = 8, max_new_t
     return out
 
 
+def regenerate_vllm(target: str, tok, data: str, out: Path, max_new_tokens: int = 128, temperature: float = 0.0,
+                    top_p: float = 1.0, max_examples: int = 0, concurrency: int = 16, seed: int = 0,
+                    server: str | None = None, python: str | None = None, dtype: str = "auto",
+                    extra: tuple[str, ...] = ()) -> Path:
+    """`--engine vllm`: the target (a folder or hub id vLLM resolves) answers every prompt of `data`
+    through a vLLM server (started here, or `server`), `concurrency` requests in flight. Prompts go
+    as token ids and answers come back as token ids, stored unchanged in `completion_ids`. Resumable
+    like `regenerate`: each answer is appended to OUT.partial as it arrives; a rerun skips those.
+    Sampled answers take seed + id, so a resumed run asks each prompt exactly what it would have.
+    `extra` passes to `vllm serve` unchanged (e.g. --tensor-parallel-size 8 --data-parallel-size 2)."""
+    from draftsmith.data import vllm_server
+    from draftsmith.train.precision import torch_dtype
+
+    prompts = _prompts(tok, data, max_examples)
+    out, partial = Path(out), _partial(out)
+    done = _done_ids(partial)
+    ids = {i: encode_prompt(tok, p) for i, p in enumerate(prompts) if i not in done}
+    need = max((len(p) for p in ids.values()), default=1) + max_new_tokens
+    # vLLM's own names for the precision draftsmith resolved from the hardware (auto -> bf16 or fp32).
+    name = str(torch_dtype(dtype, "--dtype")).removeprefix("torch.")
+    lock = threading.Lock()
+    with vllm_server.serve(target, url=server, python=python, dtype=name, max_model_len=-(-need // 256) * 256,
+                           extra=extra) as engine, open(partial, "a") as f:
+        def answer(i: int) -> None:
+            got = vllm_server.complete(engine, ids[i], max_new_tokens, temperature, top_p,
+                                       seed=seed + i if temperature > 0 else None)
+            with lock:  # whole lines only, so an interruption never leaves half a record
+                f.write(_record(tok, i, prompts[i], ids[i], got) + "\n")
+                f.flush()
+        pool = ThreadPoolExecutor(max_workers=concurrency)
+        try:
+            for _ in tqdm(pool.map(answer, sorted(ids)), total=len(ids), desc="regenerate (vLLM)"):
+                pass
+        finally:  # Ctrl-C or an error: drop the queued prompts instead of answering them all first
+            pool.shutdown(wait=True, cancel_futures=True)
+    return _finish(partial, out)
+
+
 def cached_regeneration(target, tok, data: str, fingerprint: str, cache_dir: Path, max_examples: int,
-                        max_new_tokens: int, batch_size: int, names: tuple[str, ...] = ()) -> tuple[Path, Path | None]:
+                        max_new_tokens: int, batch_size: int, names: tuple[str, ...] = (),
+                        vllm: dict | None = None) -> tuple[Path, Path | None]:
     """`data.regenerate=true` in a recipe: regenerate once per (target, data, size) and reuse it.
     With `names` (offline features), the same pass caches the features -> (records, feature folder).
+    With `vllm` (`regenerate_vllm`'s keyword arguments, `target` included) the answers come from a
+    vLLM server instead, and the caller computes the features from the records in one target pass.
     An interrupted regeneration resumes from its `.partial` file on the next run."""
-    key = hashlib.sha256(json.dumps([fingerprint, data, max_examples, max_new_tokens, 2]).encode()).hexdigest()[:16]
+    what = [fingerprint, data, max_examples, max_new_tokens, 2]
+    if vllm:  # another engine, maybe sampled: other answers, another cache entry
+        what += ["vllm", vllm.get("temperature", 0.0), vllm.get("top_p", 1.0)]
+    key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
     out = Path(cache_dir) / "regenerated" / f"{key}.jsonl"
+    if vllm:
+        if not out.is_file():
+            regenerate_vllm(tok=tok, data=data, out=out, max_new_tokens=max_new_tokens, max_examples=max_examples, **vllm)
+        return out, None
     dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
     feats = (Path(cache_dir) / "regenerated" / f"{key}-{'-'.join(sorted(names))}-{dtype}") if names else None
     if out.is_file() and feats is None:

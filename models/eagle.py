@@ -180,3 +180,12 @@ def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
 
 # The drafter is one module trained at optim.lr, and the target it reads stays frozen.
 param_groups, verifier = single_group, frozen_target
+
+
+# vLLM serves this family's `vllm` export as speculative method `eagle` (eval/serve_check.py).
+SERVE_FORMAT = "vllm"
+
+
+def vllm_serving(export_dir, export_config: dict, k: int) -> tuple[dict, list[str]]:
+    """(`vllm serve --speculative-config` for an export of this family drafting k tokens, extra server flags)."""
+    return {"method": "eagle", "model": str(export_dir), "num_speculative_tokens": k}, []

@@ -48,8 +48,11 @@ def aux_layers(cfg: DrafterConfig, target_config) -> list[int]:
     n = target_config.num_hidden_layers
     layers = list(cfg.aux_layers) if cfg.aux_layers else [2, n // 2, n - 3]
     bad = [a for a in layers if not isinstance(a, int) or not 0 <= a < n]
-    if bad or len(layers) != 3:
-        raise DraftsmithError(f"drafter.aux_layers: expected 3 layer ids in [0, {n - 1}] for this target, got {layers}")
+    # Increasing: vLLM collects the tapped layers' states in layer order whatever order the config
+    # lists them in, so a drafter that fused them in another order would be served other features.
+    if bad or len(layers) != 3 or layers != sorted(set(layers)):
+        raise DraftsmithError(f"drafter.aux_layers: expected 3 increasing layer ids in [0, {n - 1}] for this target "
+                              f"(vLLM concatenates them in layer order), got {layers}")
     return layers
 
 
@@ -215,3 +218,12 @@ def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
 
 # The drafter is one module trained at optim.lr, and the target it reads stays frozen.
 param_groups, verifier = single_group, frozen_target
+
+
+# vLLM serves this family's `speculators` export as speculative method `eagle3` (eval/serve_check.py).
+SERVE_FORMAT = "speculators"
+
+
+def vllm_serving(export_dir, export_config: dict, k: int) -> tuple[dict, list[str]]:
+    """(`vllm serve --speculative-config` for an export of this family drafting k tokens, extra server flags)."""
+    return {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k}, []

@@ -84,13 +84,22 @@ def _medusa_vllm(heads, meta: dict) -> tuple[dict, dict]:
     the ResBlock linears without bias otherwise) and lm_heads.{h}.weight, or one lm_head.weight
     (the target's) with original_lm_head."""
     state = {k.replace(".linear.", "."): v for k, v in heads.state_dict().items()}
-    shared = heads.shared_lm_head is not None
-    if shared:  # vLLM gives every head this one lm_head
-        state["lm_head.weight"] = heads.shared_lm_head.weight.detach()
-    lm, vocab = (heads.shared_lm_head if shared else heads.lm_heads[0]), meta["target_vocab_size"]
+    shared, vocab = heads.shared_lm_head is not None, meta["target_vocab_size"]
+    reduced = hasattr(heads, "token_map")
+    if reduced and not shared:
+        # vLLM 0.32 MedusaModel builds each head's own lm_head over the full vocabulary and asserts
+        # that the checkpoint's rows fill it (ParallelLMHead.weight_loader), so per-head draft-vocabulary
+        # heads have no encoding it loads; only one shared lm_head is built at truncated_vocab_size.
+        raise DraftsmithError(f"--format vllm: vLLM's MedusaModel serves a reduced head vocabulary only through one "
+                              f"shared lm_head; these {len(heads.lm_heads)} heads each have their own "
+                              f"{heads.lm_heads[0].out_features}-row lm_head. Train with drafter.original_lm_head=true "
+                              f"(the target's rows of the draft vocabulary) or drafter.draft_vocab_size=0")
+    if shared:  # vLLM gives every head this one lm_head (with token_map: its rows of the draft vocabulary)
+        state["lm_head.weight"] = heads.shared_rows() if reduced else heads.shared_lm_head.weight.detach()
+    hidden = heads.blocks[0].layers[0].linear.in_features
     # A reduced head vocabulary: vLLM scatters the heads' logits through `token_map` (-inf elsewhere).
-    truncated = lm.out_features if lm.out_features < vocab else None
-    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": lm.in_features,
+    truncated = len(heads.token_map) if reduced else None
+    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": hidden,
               "vocab_size": vocab, "num_heads": len(heads.blocks), "num_hidden_layers": len(heads.blocks[0].layers),
               "medusa_fc_bias": heads.blocks[0].layers[0].linear.bias is not None,
               "truncated_vocab_size": truncated, "original_lm_head": shared}

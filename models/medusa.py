@@ -56,10 +56,11 @@ class DrafterConfig:
     """Bias in the ResBlock linears (the Medusa paper's heads have one; vLLM needs `medusa_fc_bias: true`)."""
     draft_vocab_size: int = 0
     """0 = heads over the full target vocabulary; N = over the N most frequent trained tokens (the draft
-    vocabulary EAGLE-3 uses; vLLM loads it as `truncated_vocab_size` + `token_map`). On CPU a full
-    49152-token head costs about a fifth of a target forward per token."""
+    vocabulary EAGLE-3 uses). On CPU a full 49152-token head costs about a fifth of a target forward
+    per token. vLLM 0.32 serves a reduced vocabulary only with `original_lm_head: true` (models/export.py)."""
     original_lm_head: bool = False
-    """Every head reuses the target's own lm_head (no vocabulary parameters; vLLM `original_lm_head`)."""
+    """Every head reuses the target's own lm_head (no vocabulary parameters; vLLM `original_lm_head`);
+    with draft_vocab_size, only its rows of the draft vocabulary (vLLM `token_map`)."""
     # --- Medusa-2 --------------------------------------------------------------------------------
     backbone: str = "frozen"
     """`frozen` (Medusa-1), `lora` (Medusa-2 through peft adapters) or `full` (Medusa-2, every decoder
@@ -92,9 +93,6 @@ class DrafterConfig:
         if self.backbone != "frozen" and not self.backbone_lr > 0:
             raise DraftsmithError(f"drafter.backbone_lr: a Medusa-2 run (backbone: {self.backbone}) needs the backbone's "
                                   "learning rate, e.g. backbone_lr: 1.0e-4 (the heads use optim.lr)")
-        if self.original_lm_head and self.draft_vocab_size:
-            raise DraftsmithError("drafter: original_lm_head shares the target's full-vocabulary lm_head; "
-                                  "it cannot be combined with draft_vocab_size")
         if self.lora_rank < 1 or self.heads_only_steps < 0 or self.lambda0_warmup_steps < 0:
             raise DraftsmithError("drafter: expected lora_rank >= 1, heads_only_steps >= 0 and lambda0_warmup_steps >= 0")
 
@@ -137,7 +135,21 @@ class MedusaHeads(nn.Module):
     def head_logits(self, h: torch.Tensor, k: int) -> torch.Tensor:
         for layer in self.blocks[k].layers:
             h = layer(h)
-        return self.lm_heads[k](h) if len(self.lm_heads) else self.shared_lm_head(h.to(self.shared_lm_head.weight.dtype))
+        if len(self.lm_heads):
+            return self.lm_heads[k](h)
+        if not hasattr(self, "token_map"):
+            return self.shared_lm_head(h.to(self.shared_lm_head.weight.dtype))
+        weight = self.shared_rows()
+        return nn.functional.linear(h.to(weight.dtype), weight)
+
+    def shared_rows(self) -> torch.Tensor:
+        """The target lm_head's rows of the draft vocabulary, [draft_vocab, H], gathered once per
+        token_map (a loaded checkpoint bumps its version) instead of on every head call."""
+        key = (self.token_map.data_ptr(), self.token_map._version, self.shared_lm_head.weight.data_ptr())
+        if getattr(self, "_rows_key", None) != key:
+            self._rows = self.shared_lm_head.weight.detach()[self.token_map]
+            self._rows_key = key
+        return self._rows
 
     def forward(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
         """hs[k]: head k's input hidden states [..., H] -> head k's logits [..., V] (V = the draft
@@ -395,3 +407,18 @@ def make_proposer(drafter, target, cfg: DrafterConfig) -> MedusaProposer:
 def verifier(drafter, target):
     """The model that verifies drafts: the target for Medusa-1; Medusa-2's trained backbone (merged)."""
     return drafter.merged() if isinstance(drafter, Medusa2) else target
+
+
+# vLLM serves this family's `vllm` export as speculative method `medusa` (eval/serve_check.py).
+SERVE_FORMAT = "vllm"
+
+
+def vllm_serving(export_dir, export_config: dict, k: int) -> tuple[dict, list[str]]:
+    """(`vllm serve --speculative-config`, extra server flags) for a Medusa export. vLLM's MedusaProposer
+    stacks the top-1 of every head, so it drafts exactly num_heads tokens whatever k asks for. A reduced
+    vocabulary needs the strict weight check off: vLLM 0.32's MedusaModel.load_weights loads `token_map`
+    (and scatters the logits through it) but leaves it out of the names it reports loaded, so the
+    default loader then refuses the checkpoint ("weights were not initialized from checkpoint: token_map")."""
+    spec = {"method": "medusa", "model": str(export_dir), "num_speculative_tokens": export_config["num_heads"]}
+    reduced = export_config.get("truncated_vocab_size") not in (None, export_config["vocab_size"])
+    return spec, ["--model-loader-extra-config", '{"enable_weights_track": false}'] if reduced else []

@@ -74,3 +74,41 @@ def chat_jsonl(tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def pattern_chat(i: int) -> list[dict]:
+    """A chat whose answer is an alphabet walk: start from the prompt's letters, stride 1..5."""
+    start, stride = i % 26, 1 + i % 5
+    walk = "".join(string.ascii_lowercase[(start + stride * j) % 26] for j in range(24))
+    return [{"role": "user", "content": walk[:3]}, {"role": "assistant", "content": walk}]
+
+
+def save_pattern_target(path, steps: int = 160, layers: int = 4):
+    """A tiny Llama *trained* to answer `pattern_chat` prompts, so its greedy answers are varied and
+    learnable: a drafter of it has real acceptance, and a broken export visibly loses it (a random
+    target repeats one token, where any drafter is accepted). Head dim 32: the smallest vLLM's CPU
+    attention takes. Its chat turns end in <|im_end|>, which generation stops at."""
+    tok = make_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    seqs = torch.tensor([tok.apply_chat_template(pattern_chat(i), tokenize=True, return_dict=False) for i in range(130)])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(steps):
+        x = seqs[torch.arange(step * 16, step * 16 + 16) % len(seqs)]
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.generation_config.eos_token_id = [2, tok.convert_tokens_to_ids("<|im_end|>")]
+    model.eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def write_pattern_chats(path, ids) -> str:
+    import json
+
+    path.write_text("".join(json.dumps({"messages": pattern_chat(i)}) + "\n" for i in ids))
+    return str(path)

@@ -12,6 +12,14 @@ from draftsmith.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def no_vllm(monkeypatch):
+    """publish and export --verify also serve the export in vLLM when it is installed; these tiny
+    targets (head dim 8) are below what vLLM's CPU attention takes, so here it is switched off
+    (tests/test_serve_check.py serves real exports)."""
+    monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", "none")
+
+
 def _help(capsys, *args) -> str:
     with pytest.raises(SystemExit) as e:
         main([*args, "--help"])

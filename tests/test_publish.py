@@ -10,6 +10,14 @@ import pytest
 from draftsmith.cli import main
 
 
+@pytest.fixture(autouse=True)
+def no_vllm(monkeypatch):
+    """publish and export --verify also serve the export in vLLM when it is installed; these tiny
+    targets (head dim 8) are below what vLLM's CPU attention takes, so here it is switched off
+    (tests/test_serve_check.py serves real exports)."""
+    monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", "none")
+
+
 @pytest.fixture(scope="module")
 def tiny_target_dir(tmp_path_factory):
     """Three layers in this module: speculators' loader refuses repeated EAGLE-3 aux layers."""

@@ -22,6 +22,18 @@ class DataConfig:
     """Replace responses with the target's own answers before training (self-distillation)."""
     regenerate_max_new_tokens: int = 128
     regenerate_batch_size: int = 32
+    regenerate_engine: str = "hf"
+    """`hf`: the target answers in the training process, caching features in the same pass; `vllm`:
+    through a vLLM server (exact token ids; features then take one target pass over the answers)."""
+    regenerate_server: str = ""
+    """`vllm` engine: URL of a running server of the target (empty: start one from .venv-vllm)."""
+    regenerate_temperature: float = 0.0
+    """`vllm` engine: sampling temperature (0 = greedy); top_p below."""
+    regenerate_top_p: float = 1.0
+    regenerate_concurrency: int = 32
+    """`vllm` engine: requests in flight (vLLM batches them continuously)."""
+    regenerate_vllm_args: list[str] = field(default_factory=list)
+    """`vllm` engine: extra `vllm serve` flags, passed unchanged, e.g. [--tensor-parallel-size, "8"]."""
     max_length: int = 256
     """Tokens per example after the chat template; longer examples are truncated."""
     max_examples: int = 0
@@ -32,6 +44,24 @@ class DataConfig:
     """Folder written by `draftsmith data features`; `auto` = build it once in the cache dir and reuse
     it (one target pass over the data, then every epoch is drafter-only); empty = online features."""
     num_proc: int = 1
+
+    def __post_init__(self):
+        if self.regenerate_engine not in ("hf", "vllm"):
+            raise DraftsmithError(f"data.regenerate_engine: expected hf or vllm, got {self.regenerate_engine!r}")
+        if self.regenerate_engine == "hf" and (self.regenerate_server or self.regenerate_temperature or self.regenerate_vllm_args):
+            raise DraftsmithError("data.regenerate_server / regenerate_temperature / regenerate_vllm_args: "
+                                  "these go to vLLM; set data.regenerate_engine: vllm")
+
+    def vllm_options(self, target: str, dtype: str, cache_dir: str = "") -> dict | None:
+        """`regenerate_vllm`'s keyword arguments for `regenerate_engine: vllm` (None for hf)."""
+        if self.regenerate_engine != "vllm":
+            return None
+        from draftsmith.models.target import resolve_target
+
+        return {"target": str(resolve_target(target, cache_dir)), "server": self.regenerate_server or None,
+                "temperature": self.regenerate_temperature, "top_p": self.regenerate_top_p,
+                "concurrency": self.regenerate_concurrency, "dtype": dtype,
+                "extra": tuple(str(a) for a in self.regenerate_vllm_args)}
 
 
 @dataclass

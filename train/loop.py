@@ -111,7 +111,8 @@ def train(cfg: Config) -> Path:
             # With offline features, the pass that answers the prompts also caches their features.
             train_data, regen_cache = cached_regeneration(
                 target, tok, cfg.data.train, fp, cache_root(cfg.cache_dir), cfg.data.max_examples,
-                cfg.data.regenerate_max_new_tokens, cfg.data.regenerate_batch_size, names if cache == "auto" else ())
+                cfg.data.regenerate_max_new_tokens, cfg.data.regenerate_batch_size, names if cache == "auto" else (),
+                cfg.data.vllm_options(cfg.target, cfg.target_dtype, cfg.cache_dir))
             train_data, cache = str(train_data), regen_cache or cache
         ds = build_dataset(train_data, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc)
         if not names:

@@ -1,0 +1,270 @@
+"""`draftsmith serve-check`: the export served by vLLM itself, next to draftsmith's eval of the
+same drafter on the same prompts.
+
+vLLM serves the target alone, then the target with the drafter (the `--speculative-config` the
+family names: `module.vllm_serving`). Both get the holdout prompts as the token ids
+draftsmith's eval uses, greedy. What is compared:
+
+- outputs: vLLM speculative vs vLLM target-only (lossless in the engine), and vLLM target-only vs
+  draftsmith's target-only greedy (the two engines decode the same target alike);
+- acceptance: vLLM's own counters (`/metrics`) against draftsmith's eval with the same chain K;
+- speed: vLLM's tokens/s with and without the drafter at each concurrency (continuous batching),
+  beside draftsmith's batch-size curve when several levels are asked for.
+
+τ tolerance. Both count τ = tokens emitted per verification pass that carried a draft (vLLM:
+1 + accepted / drafts). They can still differ at the ends of a request: the last round (a budget
+of fewer than K+1 tokens: draftsmith shortens the draft, vLLM may draft K and discard), the EOS
+round (drafts accepted past an EOS). Either is the request's last round, so with R rounds over N
+prompts the counts may differ by about N/R relative; 3 % more absorbs draft argmax near-ties
+between two fp32 implementations whose operations run in another order. A wrong export moves τ far more (reversed aux layers: the drafter's
+acceptance collapses; tests/test_serve_check.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from draftsmith import DraftsmithError
+from draftsmith.data import vllm_server
+from draftsmith.data.load import encode_prompt, load_prompts
+from draftsmith.eval.report import _where
+from draftsmith.eval.run import evaluate, target_baseline
+from draftsmith.models.export import export, import_export
+from draftsmith.models.registry import DRAFTERS, drafter_module, load_drafter, target_to_load_on
+from draftsmith.models.target import ensure_pad, load_target, resolve_target
+
+NEAR_TIE_TOLERANCE = 0.03
+
+
+def tau_tolerance(num_prompts: int, rounds: float) -> float:
+    """Relative |τ_vLLM − τ_draftsmith| allowed (module docstring): one round per prompt + 3 %."""
+    return NEAR_TIE_TOLERANCE + num_prompts / max(rounds, 1)
+
+
+def vllm_families() -> str:
+    return ", ".join(n for n, m in DRAFTERS.items() if getattr(m, "SERVE_FORMAT", None))
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DraftsmithError(f"{path}/config.json: cannot read a drafter or export config ({e})") from None
+
+
+def prepare(path: Path, out: Path, target, tok, drafter: Path | None = None):
+    """-> (export folder, its config, the draftsmith drafter folder to compare with or None). A
+    `final/` is exported first, in the format its family serves with in vLLM, into OUT/export."""
+    config = _read_config(path)
+    if "draftsmith_format" in config:  # a trained drafter folder
+        module = drafter_module(config["drafter"], f"{path}/config.json: drafter")
+        if not getattr(module, "SERVE_FORMAT", None):
+            raise DraftsmithError(f"{path}: vLLM serves no {module.NAME} export (it serves {vllm_families()})")
+        exported = export(path, target_to_load_on(target, path), module.SERVE_FORMAT, out / "export", tok)
+        return exported, _read_config(exported), path
+    if "draftsmith" not in config:
+        raise DraftsmithError(f"{path}/config.json: not a draftsmith drafter or export (no 'draftsmith' section)")
+    return path, config, drafter
+
+
+def draftsmith_side(export_dir: Path, config: dict, source: Path | None, target, tok, data: str, k: int,
+                    num_prompts: int, max_new_tokens: int, batch_sizes: list[int] | None) -> tuple[dict, list]:
+    """draftsmith's eval of the drafter with chain K -> (report, target-only greedy outputs). The
+    drafter is the trained one (`source`) when known, so a wrong export shows as a difference;
+    otherwise the export read back by draftsmith."""
+    info = config["draftsmith"]
+    if source is not None:
+        module, dcfg, drafter = load_drafter(source, target_to_load_on(target, source))
+        verifier = module.verifier(drafter, target)
+    else:
+        verifier = load_target(str(export_dir / info["backbone"]), _dtype(target))[0] if info.get("backbone") else target
+        module, dcfg, drafter = import_export(export_dir, verifier)
+    proposer = module.make_proposer(drafter, verifier, dcfg)
+    common = dict(num_prompts=num_prompts, max_new_tokens=max_new_tokens)
+    baseline = target_baseline(verifier, tok, data, **common)
+    report = evaluate(proposer, module.NAME, verifier, tok, data, None, k=k, target_name=info["target"],
+                      baseline=baseline, batch_sizes=batch_sizes, **common)
+    return report, [out for out, _ in baseline]
+
+
+def _dtype(model) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def vllm_side(served: str, prompts: list[list[int]], max_new_tokens: int, concurrency: list[int], speculative=None,
+              url: str | None = None, **serve_kwargs) -> dict:
+    """One vLLM server (started here unless `url`): greedy outputs at concurrency 1, the speculation
+    counters of that run, and tokens/s at every concurrency level."""
+    with vllm_server.serve(served, url=url, speculative=speculative, **serve_kwargs) as server:
+        vllm_server.complete(server, prompts[0][:8], 4)  # warm-up: first-request costs stay out of the timing
+        before = vllm_server.spec_counters(server)
+        outs, seconds = vllm_server.complete_all(server, prompts, max_new_tokens, 1)
+        counters = vllm_server.counter_delta(vllm_server.spec_counters(server), before)
+        speed = {1: sum(map(len, outs)) / seconds}
+        for c in concurrency:
+            if c != 1:
+                got, s = vllm_server.complete_all(server, prompts, max_new_tokens, c)
+                speed[c] = sum(map(len, got)) / s
+    return {"outputs": outs, "counters": counters, "tokens_per_s": speed, "version": server.version,
+            "args": server.args}
+
+
+def vllm_acceptance(counters: dict) -> dict:
+    """τ, acceptance rate and per-position acceptance P(j accepted | j−1 accepted) from vLLM's counters."""
+    drafts, pos = counters["num_drafts"], counters["per_pos"]
+    per_position = [a / prev if prev else 0.0 for a, prev in zip(pos, [drafts, *pos[:-1]])]
+    return {"vllm_tau": round(1 + counters["num_accepted_tokens"] / max(drafts, 1), 4),
+            "vllm_acceptance_rate": round(counters["num_accepted_tokens"] / max(counters["num_draft_tokens"], 1), 4),
+            "vllm_per_position": [round(p, 4) for p in per_position], "vllm_drafts": int(drafts)}
+
+
+def serve_check(path: str | Path, data: str, out: str | Path, num_prompts: int = 12, max_new_tokens: int = 96,
+                k: int = 3, concurrency: list[int] | None = None, target_name: str | None = None,
+                dtype: str = "float32", drafter: str | Path | None = None, server: str | None = None,
+                target_server: str | None = None, vllm_python: str | None = None, port: int = 0,
+                extra: tuple[str, ...] = ()) -> dict:
+    """Run the check (module docstring); write OUT/serve_check.json, .md and .png -> the result."""
+    path, out = Path(path), Path(out)
+    concurrency = sorted(set(concurrency or [1]) | {1})
+    if server is None or target_server is None:
+        vllm_python = vllm_server.find_python(vllm_python)  # fail before any model loads
+    meta = _read_config(path)
+    info = meta.get("draftsmith") or meta
+    target, tok = load_target(target_name or info["target"], dtype)
+    ensure_pad(tok)
+    out.mkdir(parents=True, exist_ok=True)
+    export_dir, config, source = prepare(path, out, target, tok, Path(drafter) if drafter else None)
+    module = drafter_module(config["draftsmith"]["drafter"])
+    if not getattr(module, "SERVE_FORMAT", None):
+        raise DraftsmithError(f"{export_dir}: vLLM serves no {module.NAME} export (it serves {vllm_families()})")
+    speculative, family_args = module.vllm_serving(export_dir.resolve(), config, k)
+    k = speculative["num_speculative_tokens"]  # e.g. Medusa: vLLM drafts one token per head
+    info = config["draftsmith"]
+    served = str((export_dir / info["backbone"]).resolve() if info.get("backbone") else resolve_target(info["target"]))
+    prompts = [encode_prompt(tok, p) for p in load_prompts(data, num_prompts)]
+    ours, ours_ref = draftsmith_side(export_dir, config, source, target, tok, data, k, num_prompts, max_new_tokens,
+                                     concurrency if len(concurrency) > 1 else None)
+    kw = dict(python=vllm_python, port=port, dtype=dtype, max_model_len=_max_len(prompts, max_new_tokens),
+              extra=tuple(extra), log_dir=out)
+    plain = vllm_side(served, prompts, max_new_tokens, concurrency, url=target_server, **kw)
+    kw["extra"] = (*family_args, *extra)  # what the family's export needs, then the user's flags
+    result = {"export": str(export_dir), "family": module.NAME, "speculative_config": speculative,
+              "vllm_args": list(family_args),
+              "served_target": served, "data": data, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+              "k": k, "dtype": dtype, "vllm_version": plain["version"], "draftsmith_tau": ours["tau"],
+              "draftsmith_per_position": ours["per_position"], "draftsmith_acceptance_rate": ours["acceptance_rate"],
+              "draftsmith_lossless": ours["lossless"], "where": _where(ours)}
+    try:
+        spec = vllm_side(served, prompts, max_new_tokens, concurrency, speculative, url=server, **kw)
+    except DraftsmithError as e:  # vLLM refused the export: that is the finding
+        result.update(loaded=False, why=str(e), passed=False)
+        write(result, out)
+        return result
+    same_engine = [a == b for a, b in zip(spec["outputs"], plain["outputs"])]
+    same_ref = [a == b for a, b in zip(plain["outputs"], ours_ref)]
+    result.update(loaded=True, identical_to_target_only=all(same_engine), identical_to_draftsmith=all(same_ref),
+                  prompts_identical_to_target_only=sum(same_engine), prompts_identical_to_draftsmith=sum(same_ref),
+                  **vllm_acceptance(spec["counters"]))
+    result["tau_rel_diff"] = round(abs(result["vllm_tau"] - ours["tau"]) / ours["tau"], 4)
+    result["tau_tolerance"] = round(tau_tolerance(len(prompts), result["vllm_drafts"]), 4)
+    result["concurrency"] = [
+        {"concurrency": c, "target_tokens_per_s": round(plain["tokens_per_s"][c], 2),
+         "spec_tokens_per_s": round(spec["tokens_per_s"][c], 2),
+         "speedup": round(spec["tokens_per_s"][c] / plain["tokens_per_s"][c], 3)} for c in concurrency]
+    result["draftsmith_speedup"] = ours["speedup"]
+    result["draftsmith_batch_curve"] = ours.get("batch_curve")
+    why = []
+    if not result["identical_to_target_only"]:
+        why.append(f"vLLM's speculative outputs differ from its target-only outputs on "
+                   f"{len(prompts) - result['prompts_identical_to_target_only']} of {len(prompts)} prompts")
+    if dtype in ("float32", "fp32") and not result["identical_to_draftsmith"]:
+        why.append(f"vLLM's target-only outputs differ from draftsmith's on "
+                   f"{len(prompts) - result['prompts_identical_to_draftsmith']} of {len(prompts)} prompts (fp32)")
+    if not result["tau_rel_diff"] <= result["tau_tolerance"]:
+        why.append(f"τ {result['vllm_tau']:.3f} in vLLM vs {ours['tau']:.3f} in draftsmith: {result['tau_rel_diff']:.1%} "
+                   f"apart, more than the {result['tau_tolerance']:.1%} tolerance")
+    result.update(passed=not why, why="; ".join(why) or None)
+    write(result, out)
+    return result
+
+
+def summary(r: dict) -> str:
+    """One line for `export --verify`, publish and model cards."""
+    if not r["loaded"]:
+        return f"vLLM {r.get('vllm_version', '')} did not load the export: {r['why']}"
+    c1 = r["concurrency"][0]
+    return (f"served by {r['vllm_version']}: τ {r['vllm_tau']:.2f} in vLLM vs {r['draftsmith_tau']:.2f} in draftsmith "
+            f"(per-position {' '.join(f'{p:.2f}' for p in r['vllm_per_position'])}), outputs identical to vLLM's "
+            f"target-only on {r['prompts_identical_to_target_only']}/{r['num_prompts']} prompts, vLLM speedup "
+            f"{c1['speedup']:.2f}x at concurrency 1 ({r['dtype']}) — {'passed' if r['passed'] else 'FAILED: ' + r['why']}")
+
+
+def _max_len(prompts: list[list[int]], max_new_tokens: int) -> int:
+    """The server's context: the longest prompt + answer + a draft's room, rounded up to 256."""
+    need = max(map(len, prompts)) + max_new_tokens + 16
+    return -(-need // 256) * 256
+
+
+def markdown(r: dict) -> str:
+    head = [f"# serve-check: {r['family']} in vLLM {r.get('vllm_version', '?')}", "",
+            f"Export `{r['export']}` served with `--speculative-config '{json.dumps(r['speculative_config'])}'` on "
+            f"`{r['served_target']}`; {r['num_prompts']} prompts of `{r['data']}`, {r['max_new_tokens']} new tokens, "
+            f"greedy, {r['dtype']}. draftsmith measured on {r['where']}.", ""]
+    if not r["loaded"]:
+        return "\n".join(head + [f"**vLLM did not load the export**: {r['why']}", ""])
+    pp = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    yes = lambda ok, n: f"{'yes' if ok else 'NO'} ({n}/{r['num_prompts']})"  # noqa: E731
+    return "\n".join(head + [
+        "| engine | τ | acceptance | per-position | identical |", "|---|---|---|---|---|",
+        f"| vLLM | {r['vllm_tau']:.2f} | {r['vllm_acceptance_rate']:.2f} | {pp(r['vllm_per_position'])} | "
+        f"{yes(r['identical_to_target_only'], r['prompts_identical_to_target_only'])} to vLLM target-only |",
+        f"| draftsmith | {r['draftsmith_tau']:.2f} | {r['draftsmith_acceptance_rate']:.2f} | "
+        f"{pp(r['draftsmith_per_position'])} | vLLM target-only = draftsmith's: "
+        f"{yes(r['identical_to_draftsmith'], r['prompts_identical_to_draftsmith'])} |", "",
+        f"τ differs by {r['tau_rel_diff']:.1%} (tolerance {r['tau_tolerance']:.1%}): "
+        f"**{'passed' if r['passed'] else 'FAILED: ' + r['why']}**.", "",
+        "| concurrency | vLLM target tok/s | vLLM spec tok/s | vLLM speedup |", "|---|---|---|---|",
+        *[f"| {c['concurrency']} | {c['target_tokens_per_s']:.1f} | {c['spec_tokens_per_s']:.1f} | {c['speedup']:.2f}x |"
+          for c in r["concurrency"]], "",
+        f"draftsmith's own engine, batch 1: {r['draftsmith_speedup']:.2f}x." +
+        ("" if not r.get("draftsmith_batch_curve") else " Its batch-size curve: " + ", ".join(
+            f"B={c['batch_size']} {c['speedup']:.2f}x" for c in r["draftsmith_batch_curve"]) + "."), ""])
+
+
+def _plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    xs = [c["concurrency"] for c in r["concurrency"]]
+    ax.plot(xs, [c["speedup"] for c in r["concurrency"]], "o-", label="vLLM (concurrent requests)")
+    if r.get("draftsmith_batch_curve"):
+        curve = r["draftsmith_batch_curve"]
+        ax.plot([c["batch_size"] for c in curve], [c["speedup"] for c in curve], "s--", label="draftsmith (batch size)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("concurrency / batch size")
+    ax.set_ylabel("speedup vs target-only")
+    ax.set_title(f"{r['family']}: vLLM τ {r['vllm_tau']:.2f}, draftsmith τ {r['draftsmith_tau']:.2f}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, format="png")
+    plt.close(fig)
+
+
+def write(r: dict, out: Path) -> None:
+    """serve_check.json / .md / .png, each written to a temp name and renamed."""
+    files = {"serve_check.json": json.dumps(r, indent=2), "serve_check.md": markdown(r)}
+    for name, text in files.items():
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out / name)
+    if r["loaded"]:
+        _plot(r, out / "serve_check.png.tmp")
+        (out / "serve_check.png.tmp").replace(out / "serve_check.png")
+    shutil.rmtree(out / "export.tmp", ignore_errors=True)
