@@ -48,11 +48,12 @@ def aux_layers(cfg: DrafterConfig, target_config) -> list[int]:
     n = target_config.num_hidden_layers
     layers = list(cfg.aux_layers) if cfg.aux_layers else [2, n // 2, n - 3]
     bad = [a for a in layers if not isinstance(a, int) or not 0 <= a < n]
-    # Increasing: vLLM collects the tapped layers' states in layer order whatever order the config
-    # lists them in, so a drafter that fused them in another order would be served other features.
-    if bad or len(layers) != 3 or layers != sorted(set(layers)):
-        raise DraftsmithError(f"drafter.aux_layers: expected 3 increasing layer ids in [0, {n - 1}] for this target "
-                              f"(vLLM concatenates them in layer order), got {layers}")
+    # In layer order: vLLM collects the tapped layers' states in layer order whatever order the config
+    # lists them in, so a drafter that fused them in another order would silently get other features.
+    # (A repeated id, which only tiny test targets need, fails loudly there: one state short.)
+    if bad or len(layers) != 3 or layers != sorted(layers):
+        raise DraftsmithError(f"drafter.aux_layers: expected 3 layer ids in [0, {n - 1}], in increasing order, for "
+                              f"this target (vLLM concatenates them in layer order), got {layers}")
     return layers
 
 

@@ -15,7 +15,7 @@ from draftsmith.models.target import fingerprint
 
 CASES = [(eagle, eagle.DrafterConfig(), ["vllm", "sglang"]),
          (eagle3, eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=40), ["sglang", "speculators"]),
-         (medusa, medusa.DrafterConfig(num_heads=2, draft_vocab_size=30), ["vllm"]),
+         (medusa, medusa.DrafterConfig(num_heads=2, draft_vocab_size=30, original_lm_head=True), ["vllm"]),
          (distill, distill.DrafterConfig(num_layers=1), ["hf"])]
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from draftsmith import DraftsmithError
 from draftsmith.eval.speculative import Stats, speculative_decode, target_decode
 from draftsmith.models.drafts import parse_tree
 from draftsmith.models import medusa
@@ -185,12 +186,22 @@ def test_reduced_head_vocabulary_maps_back_to_target_ids_and_exports_a_token_map
     assert set(draft.tokens) <= kept
     missing = next(i for i in range(target.config.vocab_size) if i not in kept)
     assert heads.to_draft(torch.tensor([int(heads.token_map[5]), missing])).tolist() == [5, -1]
-    meta = {"drafter": "medusa", "drafter_config": {"type": "medusa", **cfg.__dict__}, "target": "tiny",
-            "target_fingerprint": fingerprint(target)}
-    out = export(save_drafter(heads, tmp_path / "final", meta), target, "vllm", tmp_path / "vllm")
+    def saved(cfg, heads, name):
+        meta = {"drafter": "medusa", "drafter_config": {"type": "medusa", **cfg.__dict__}, "target": "tiny",
+                "target_fingerprint": fingerprint(target)}
+        return save_drafter(heads, tmp_path / name, meta)
+    # vLLM 0.32 loads no per-head reduced lm_heads (tests/test_serve_check.py): refused, nothing written.
+    with pytest.raises(DraftsmithError, match="original_lm_head=true"):
+        export(saved(cfg, heads, "own"), target, "vllm", tmp_path / "vllm")
+    assert not (tmp_path / "vllm").exists()
+    # The encoding it serves: one shared lm_head, the target's rows of the draft vocabulary.
+    cfg = medusa.DrafterConfig(num_heads=2, draft_vocab_size=20, original_lm_head=True)
+    heads = medusa.build(cfg, target, ds)
+    torch.testing.assert_close(heads.head_logits(h, 1), full[:, heads.token_map])
+    out = export(saved(cfg, heads, "shared"), target, "vllm", tmp_path / "vllm")
     c, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
-    assert c["truncated_vocab_size"] == 20 and c["vocab_size"] == target.config.vocab_size
-    assert torch.equal(state["token_map"], heads.token_map) and state["lm_heads.0.weight"].shape[0] == 20
+    assert c["truncated_vocab_size"] == 20 and c["vocab_size"] == target.config.vocab_size and c["original_lm_head"]
+    assert torch.equal(state["token_map"], heads.token_map) and state["lm_head.weight"].shape[0] == 20
     _, _, back = import_export(out, target)
     assert torch.equal(back.token_map, heads.token_map)
 

@@ -16,6 +16,7 @@ from draftsmith.train.config import load_config, resolve_precision
 def hw(monkeypatch):
     """hw(cuda=..., cuda_bf16=..., avx512_bf16=..., amx=...) fixes what the resolver sees."""
     def set_hw(cuda=False, cuda_bf16=False, avx512_bf16=False, amx=False):
+        monkeypatch.delenv("DRAFTSMITH_CPU_BF16", raising=False)  # the mocked capability decides
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: cuda_bf16)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)

@@ -214,6 +214,12 @@ def test_regenerate_through_vllm_keeps_vllms_exact_ids_and_resumes(pattern, targ
     prompts = [encode_prompt(tok, p) for p in load_prompts(pattern["holdout"])]
     for r, p in zip(records, prompts):  # the ids vLLM returned, unchanged; the prompts draftsmith sent
         assert r["prompt_ids"] == p and r["completion_ids"] == real(target_server, p, 40)
+    # The CLI form writes the same records.
+    from draftsmith.cli import main
+
+    assert main(["data", "regenerate", "--engine", "vllm", "--target", str(pattern["target"]), "--data", pattern["holdout"],
+                 "--out", str(tmp_path / "cli.jsonl"), "--max-new-tokens", "40", "--server", target_server.url]) == 0
+    assert (tmp_path / "cli.jsonl").read_text() == out.read_text()
     # In fp32 vLLM's greedy answers are the in-process engine's, token for token.
     inproc = regen.regenerate(target, tok, pattern["holdout"], tmp_path / "hf.jsonl", 4, 40)
     assert [json.loads(l)["completion_ids"] for l in inproc.read_text().splitlines()] == [r["completion_ids"] for r in records]
@@ -327,3 +333,18 @@ def test_medusa_reduced_vocabulary_is_exported_the_one_way_vllm_loads_it(tiny_ta
     with pytest.raises(DraftsmithError, match="original_lm_head=true"):
         export(own, target, "vllm", tmp_path / "own", tok)
     assert not (tmp_path / "own").exists()
+
+
+@needs_vllm
+@pytest.mark.vllm_families
+def test_regeneration_bench_prints_both_engines_and_their_agreement(pattern, tmp_path, capsys):
+    from draftsmith.eval.bench import regen_vllm
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target: {pattern['target']}\ndrafter:\n  type: eagle\n")
+    regen_vllm.main(["--recipe", str(recipe), "--data", pattern["holdout"], "--num-prompts", "6", "--max-new-tokens",
+                     "30", "--batch-size", "3", "--concurrency", "3", "--out", str(tmp_path / "b")])
+    result = json.loads((tmp_path / "b" / "regen.json").read_text())
+    assert result["prompts"] == 6 and result["hf"]["answers_per_s"] > 0 and result["vllm"]["answers_per_s"] > 0
+    assert result["agreement"] == {"identical_answers": 6, "answers": 6, "token_agreement": 1.0}  # fp32: the same answers
+    assert "greedy agreement (float32): 6/6" in capsys.readouterr().out

@@ -40,8 +40,15 @@ def canonical(value, where: str) -> str:
     return ALIASES[key]
 
 
+CPU_BF16_ENV = "DRAFTSMITH_CPU_BF16"
+
+
 def cpu_native_bf16() -> bool:
-    """True where the CPU runs bf16 matmuls natively (AVX512-BF16 or AMX tiles)."""
+    """True where the CPU runs bf16 matmuls natively (AVX512-BF16 or AMX tiles). $DRAFTSMITH_CPU_BF16=0/1
+    overrides the detection (for this process and the ones it launches): the unit tests pin it to 0, so
+    their token-for-token comparisons run in fp32 on every CPU."""
+    if os.environ.get(CPU_BF16_ENV) in ("0", "1"):
+        return os.environ[CPU_BF16_ENV] == "1"
     checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return any(bool(check()) for check in checks if check is not None)
 

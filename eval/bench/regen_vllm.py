@@ -3,8 +3,8 @@
     python -m draftsmith.eval.bench.regen_vllm --data builtin:code --num-prompts 640 --out regen-bench/
 
 Both answer the same prompts greedily with the same budget (the quickstart's: 128 new tokens):
-- `hf`: draftsmith's own batched decoder (`data regenerate`, batch 64), capturing the EAGLE-3 features
-  of every token in the same pass (what the quickstart does), on prepacked kernels;
+- `hf`: draftsmith's own batched decoder (`data regenerate`, batch 64), capturing the features the
+  recipe's drafter trains on (the quickstart's EAGLE-3 by default) in the same pass, as training does;
 - `vllm`: a vLLM server of the same target (`data regenerate --engine vllm`), `--concurrency`
   requests in flight; its server start-up is timed apart from the answering.
 Prints answers/s and wall for each, and the token agreement of the two greedy answer sets: the share
@@ -21,8 +21,9 @@ from pathlib import Path
 
 from draftsmith.data import vllm_server
 from draftsmith.data.regenerate import regenerate, regenerate_vllm
-from draftsmith.models.eagle3 import DrafterConfig, feature_names
+from draftsmith.models.registry import drafter_module
 from draftsmith.models.target import ensure_pad, fingerprint, load_target, resolve_target
+from draftsmith.train.config import drafter_config, load_config
 from draftsmith.train.precision import hardware
 
 
@@ -37,7 +38,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--recipe", default="recipes/cpu/eagle3-smollm2.yaml", help="its target and the features its "
+                   "drafter trains on (the in-process pass captures them, as in training)")
     p.add_argument("--data", default="builtin:code")
     p.add_argument("--num-prompts", type=int, default=640)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -48,9 +50,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(args.recipe, [])
+    args.target = cfg.target
     target, tok = load_target(args.target, args.dtype)
     ensure_pad(tok)
-    names = feature_names(DrafterConfig(), target.config)  # the quickstart's EAGLE-3 features
+    names = drafter_module(cfg.drafter["type"]).feature_names(drafter_config(cfg), target.config)
 
     t = time.perf_counter()
     hf = regenerate(target, tok, args.data, out / "hf.jsonl", args.batch_size, args.max_new_tokens,
