@@ -100,6 +100,14 @@ def frozen_target(drafter: torch.nn.Module, target):
     return target
 
 
+def vllm_method(method: str):
+    """`vllm_serving` of a family vLLM serves as speculative `method` with a chain of k drafts and no
+    extra server flags: -> (--speculative-config, flags)."""
+    def vllm_serving(export_dir, export_config: dict, k: int) -> tuple[dict, list[str]]:
+        return {"method": method, "model": str(export_dir), "num_speculative_tokens": k}, []
+    return vllm_serving
+
+
 def save_drafter(module: torch.nn.Module, out: Path, meta: dict, state: dict | None = None) -> Path:
     """Write `config.json` + `model.safetensors` to a temp folder, then rename into place. `state`:
     the module's full tensors when it holds shards (FSDP gathers them on rank 0)."""

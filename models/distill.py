@@ -29,7 +29,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data.batching import collate
 from draftsmith.data.features import target_features, unpack_topk
 from draftsmith.models.drafts import Draft
-from draftsmith.models.common import crop_cache, frozen_target, lora_config, single_group
+from draftsmith.models.common import crop_cache, frozen_target, lora_config, single_group, vllm_method
 from draftsmith.train.losses import DIVERGENCES, expected_acceptance
 
 NAME = "distill"
@@ -322,9 +322,4 @@ def make_proposer(student, target, cfg: DrafterConfig) -> StudentProposer:
 
 
 # vLLM serves this family's `hf` export as speculative method `draft_model` (eval/serve_check.py).
-SERVE_FORMAT = "hf"
-
-
-def vllm_serving(export_dir, export_config: dict, k: int) -> tuple[dict, list[str]]:
-    """(`vllm serve --speculative-config` for an export of this family drafting k tokens, extra server flags)."""
-    return {"method": "draft_model", "model": str(export_dir), "num_speculative_tokens": k}, []
+SERVE_FORMAT, vllm_serving = "hf", vllm_method("draft_model")

@@ -21,7 +21,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from draftsmith.models.common import FeatureProposer, frozen_target, single_group, ttt_mask
+from draftsmith.models.common import FeatureProposer, frozen_target, single_group, ttt_mask, vllm_method
 from draftsmith.train.losses import smooth_l1_feature_loss, soft_cross_entropy, topk_distillation_loss
 
 NAME = "eagle"
@@ -183,9 +183,4 @@ param_groups, verifier = single_group, frozen_target
 
 
 # vLLM serves this family's `vllm` export as speculative method `eagle` (eval/serve_check.py).
-SERVE_FORMAT = "vllm"
-
-
-def vllm_serving(export_dir, export_config: dict, k: int) -> tuple[dict, list[str]]:
-    """(`vllm serve --speculative-config` for an export of this family drafting k tokens, extra server flags)."""
-    return {"method": "eagle", "model": str(export_dir), "num_speculative_tokens": k}, []
+SERVE_FORMAT, vllm_serving = "vllm", vllm_method("eagle")

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import FeatureProposer, draft_vocab, frozen_target, max_over_ranks, single_group, ttt_mask
+from draftsmith.models.common import FeatureProposer, draft_vocab, frozen_target, max_over_ranks, single_group, ttt_mask, vllm_method
 from draftsmith.models.eagle import layer_config
 from draftsmith.train.losses import soft_cross_entropy, topk_distillation_loss
 
@@ -222,9 +222,4 @@ param_groups, verifier = single_group, frozen_target
 
 
 # vLLM serves this family's `speculators` export as speculative method `eagle3` (eval/serve_check.py).
-SERVE_FORMAT = "speculators"
-
-
-def vllm_serving(export_dir, export_config: dict, k: int) -> tuple[dict, list[str]]:
-    """(`vllm serve --speculative-config` for an export of this family drafting k tokens, extra server flags)."""
-    return {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k}, []
+SERVE_FORMAT, vllm_serving = "speculators", vllm_method("eagle3")

@@ -47,7 +47,13 @@ def test_shortened_quickstart(smollm, tmp_path):
         "save_every=0", "eval.num_prompts=3", "eval.max_new_tokens=24"])
     run = train(cfg)
     report = json.loads((run / "eval" / "report.json").read_text())
-    assert report["lossless"] and report["target"] == "smollm2-135m" and report["tree"]
+    assert report["target"] == "smollm2-135m" and report["tree"]
+    if report["dtype"] == "float32":
+        assert report["lossless"]
+    else:  # bf16 (a CPU with native bf16): a mismatch may only be a numerical near-tie of the target's
+        # logits, which in bf16 depend on how many tokens one forward processes (eval/run.py divergence_gap);
+        # one bf16 step at the logit magnitudes of this target is 0.125-0.25.
+        assert all(gap <= 0.5 for gap in report["mismatch_logit_gaps"]), report["mismatch_logit_gaps"]
     assert report["device_name"] and isinstance(report["native_bf16"], bool)
     # One pass: the regeneration wrote the feature cache; no separate features pass ran.
     assert list((tmp_path / "cache" / "regenerated").glob("*/index.json"))
