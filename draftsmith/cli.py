@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("drafter", help="a drafter folder (…/final) whose run has an eval report")
     pb.add_argument("--repo-id", required=True, help="ORG/NAME on the Hugging Face Hub")
     pb.add_argument("--format", choices=["vllm", "sglang", "speculators", "hf"],
-                    help="default: eagle vllm, eagle3 speculators, medusa vllm, distill hf")
+                    help="default: the format vLLM serves the family from (its SERVE_FORMAT)")
     pb.add_argument("--private", action="store_true")
     pb.add_argument("--revision", help="upload to this branch (created if missing)")
     pb.add_argument("--dry-run", action="store_true", help="write the folder that would be uploaded; upload nothing")

@@ -24,10 +24,9 @@ from draftsmith.eval.report import _where, format_table
 from draftsmith.eval.speculative import Stats, speculative_decode
 from draftsmith.models.common import causal_mask
 from draftsmith.models.export import FORMATS, export, import_export
-from draftsmith.models.registry import load_drafter, target_to_load_on
+from draftsmith.models.registry import drafter_module, load_drafter, target_to_load_on
 from draftsmith.models.target import served_name
 
-DEFAULT_FORMAT = {"eagle": "vllm", "eagle3": "speculators", "medusa": "vllm", "distill": "hf"}
 # speculators' forward vs draftsmith's drafter, both in fp32 on the same inputs: only the order of
 # operations differs (speculators' flex/eager attention, draftsmith's sdpa): measured 7e-8 on the
 # tests' tiny export, 6e-6 on the quickstart smollm2-135m one. A mapping error moves logits far more
@@ -318,7 +317,7 @@ def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None 
     except HFValidationError as e:
         raise DraftsmithError(f"--repo-id {repo_id}: not a valid Hub repo id ({str(e).splitlines()[0]})") from None
     meta = json.loads((drafter_dir / "config.json").read_text())
-    fmt = fmt or DEFAULT_FORMAT[meta["drafter"]]
+    fmt = fmt or drafter_module(meta["drafter"]).SERVE_FORMAT  # the format vLLM serves the family from
     if fmt not in FORMATS[meta["drafter"]]:
         raise DraftsmithError(f"--format {fmt}: a {meta['drafter']} drafter exports to {', '.join(FORMATS[meta['drafter']])}")
     report_file = drafter_dir.parent / "eval" / "report.json"
