@@ -8,31 +8,52 @@ import datasets
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.data.load import read_records, to_messages, tokenize_example, tokenized_example
+from draftsmith.data.load import (Malformed, located_records, require_chat_template, to_messages, tokenize_example,
+                                  tokenized_example)
 
 
-def build_dataset(spec: str, tok, max_length: int, max_examples: int = 0, num_proc: int = 1) -> datasets.Dataset:
-    """Records -> datasets.Dataset with input_ids, loss_mask, length, idx. Examples with no
-    trainable token (e.g. a prompt with no answer) are dropped."""
-    rows = read_records(spec)
-    if max_examples:
-        rows = rows[:max_examples]
-    if rows and "completion_ids" in rows[0]:
-        return _filter(datasets.Dataset.from_list(
-            [{**tokenized_example(r, len(tok), max_length, f"{spec}: record {n}"), "idx": n} for n, r in enumerate(rows)]), spec)
-    items = [to_messages(r, f"{spec}: record {n}") for n, r in enumerate(rows)]
-    # Validate formats eagerly above (clear file errors); tokenize through datasets.map.
-    ds = datasets.Dataset.from_dict({"item": [i if isinstance(i, list) else [{"role": "text", "content": i}] for i in items]})
+def build_dataset(spec: str, tok, max_length: int, max_examples: int = 0, num_proc: int = 1, split: str = "train",
+                  malformed: str = "skip") -> datasets.Dataset:
+    """Records -> datasets.Dataset with input_ids, loss_mask, length, idx (the record's number).
+    `split`: of a dataset folder or hub dataset (read_records). Malformed records are skipped with
+    one summary line (malformed="skip"; all of them malformed is an error) or stop the build at the
+    first ("error"). Examples with no trainable token (e.g. a prompt with no answer) are dropped."""
+    refused = Malformed(spec, malformed)
+    records = located_records(spec, split)[: max_examples or None]
+    first = next((row for _, row in records if isinstance(row, dict)), {})
+    if "completion_ids" in first:
+        exact = lambda row, where: tokenized_example(row, len(tok), max_length, where)  # noqa: E731
+        examples = [(n, refused.keep(exact, row, where)) for n, (where, row) in enumerate(records)]
+        refused.report(len(records))
+        return _filter(datasets.Dataset.from_list([{**ex, "idx": n} for n, ex in examples if ex is not None]), spec)
+    items = [(n, where, refused.keep(to_messages, row, where)) for n, (where, row) in enumerate(records)]
+    items = [(n, where, item) for n, where, item in items if item is not None]
+    if not items:
+        refused.report(len(records))  # every record malformed: an error
+        raise DraftsmithError(f"{spec}: no records")
+    if any(isinstance(item, list) for _, _, item in items):
+        require_chat_template(tok, spec)  # once for the data, not as a reason to refuse each record
+    # Formats were validated above (file:line errors); tokenize through datasets.map. A record its
+    # template cannot mask (tokenize_example) comes back with the reason, refused below in order.
+    ds = datasets.Dataset.from_dict({
+        "item": [i if isinstance(i, list) else [{"role": "text", "content": i}] for _, _, i in items],
+        "where": [where for _, where, _ in items], "idx": [n for n, _, _ in items]})
 
-    def encode(ex, idx):
+    def encode(ex):
         item = ex["item"]
         item = item[0]["content"] if item and item[0]["role"] == "text" else item
-        out = tokenize_example(tok, item, max_length, f"{spec}: record {idx}")
-        return {**out, "length": len(out["input_ids"]), "idx": idx}
+        try:
+            out, reason = tokenize_example(tok, item, max_length, ex["where"]), ""
+        except DraftsmithError as e:
+            out, reason = {"input_ids": [], "loss_mask": []}, str(e)
+        return {**out, "length": len(out["input_ids"]), "refused": reason}
 
-    ds = ds.map(encode, with_indices=True, remove_columns=["item"], num_proc=num_proc if num_proc > 1 else None,
-                desc="tokenize")
-    return _filter(ds, spec)
+    ds = ds.map(encode, remove_columns=["item", "where"], num_proc=num_proc if num_proc > 1 else None, desc="tokenize")
+    for reason in ds["refused"]:
+        if reason:
+            refused.refuse(reason)
+    refused.report(len(records))
+    return _filter(ds.remove_columns("refused"), spec)  # refused records have no trainable token
 
 
 def _filter(ds: datasets.Dataset, spec: str) -> datasets.Dataset:

@@ -4,76 +4,158 @@ target's chat template, masking the loss to assistant tokens."""
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 
 from draftsmith import DraftsmithError
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+# What transformers looks for to track assistant spans (`return_assistant_tokens_mask`).
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+class Malformed:
+    """The records refused as malformed (`data.malformed`): `error` raises at the first; `skip` drops
+    them, and `report` prints one line with their count and the first reasons (each with file:line)."""
+
+    def __init__(self, spec: str, mode: str = "skip"):
+        if mode not in ("skip", "error"):
+            raise DraftsmithError(f"data.malformed: expected skip or error, got {mode!r}")
+        self.spec, self.mode, self.reasons = spec, mode, []
+
+    def refuse(self, reason: str) -> None:
+        if self.mode == "error":
+            raise DraftsmithError(reason)
+        self.reasons.append(reason)
+
+    def keep(self, convert, row: dict | DraftsmithError, where: str):
+        """convert(row, where), or None for a malformed record (refused)."""
+        try:
+            if isinstance(row, DraftsmithError):  # a line that is no JSON object (located_records)
+                raise row
+            return convert(row, where)
+        except DraftsmithError as e:
+            self.refuse(str(e))
+            return None
+
+    def report(self, total: int) -> None:
+        """After `total` records: one line about the skipped ones; an error if none was usable."""
+        if not self.reasons:
+            return
+        first = "; ".join(self.reasons[:3])
+        if len(self.reasons) == total:
+            raise DraftsmithError(f"{self.spec}: all {total} records are malformed ({first})")
+        print(f"{self.spec}: skipped {len(self.reasons)} of {total} malformed records ({first})", file=sys.stderr)
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, dict | DraftsmithError]]:
     rows = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            where = f"{path}:{n}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DraftsmithError(f"{path}:{n}: malformed JSON line ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DraftsmithError(f"{path}:{n}: expected a JSON object per line")
-            rows.append(row)
+                row = DraftsmithError(f"{where}: malformed JSON line ({e.msg})")
+            if not isinstance(row, (dict, DraftsmithError)):
+                row = DraftsmithError(f"{where}: expected a JSON object per line")
+            rows.append((where, row))
     return rows
 
 
-def read_records(spec: str) -> list[dict]:
-    """A jsonl/json/parquet path, `builtin:<name>`, or a `datasets` hub name (train split)."""
-    if spec.startswith("builtin:"):
-        from draftsmith.data.corpus import builtin_corpus
-
-        return builtin_corpus(spec.removeprefix("builtin:"))
-    path = Path(spec)
-    if path.suffix == ".jsonl":
-        if not path.is_file():
-            raise DraftsmithError(f"{path}: data file not found")
-        return _read_jsonl(path)
+def _load_dataset(spec: str, split: str):
     import datasets
 
+    path = Path(spec)
     try:
         if path.suffix in (".json", ".parquet"):
             if not path.is_file():
                 raise DraftsmithError(f"{path}: data file not found")
             kind = "json" if path.suffix == ".json" else "parquet"
-            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
-        else:
-            ds = datasets.load_dataset(spec, split="train")  # a hub name; needs network
+            return datasets.load_dataset(kind, data_files=str(path), split="train")
+        return datasets.load_dataset(spec, split=split)  # a dataset folder, or a hub name (needs network)
     except DraftsmithError:
         raise
     except Exception as e:
+        # datasets says `Unknown split "x". Should be one of ['train_sft', ...]`: hub chat datasets
+        # often have no `train` split (ultrachat_200k: train_sft / test_sft).
+        known = re.search(r"Unknown split .*Should be one of \[(.*)\]", str(e))
+        if known:
+            raise DraftsmithError(f"{spec}: no split {split!r} (data.split / data.holdout_split); its splits are "
+                                  f"{known.group(1).replace(chr(39), '')}") from None
         raise DraftsmithError(f"{spec}: cannot load data ({str(e).splitlines()[0]})") from None
-    return list(ds)
+
+
+def located_records(spec: str, split: str = "train") -> list[tuple[str, dict | DraftsmithError]]:
+    """Every record of `spec` with where it is: `file:line` in a jsonl file, `spec: record N`
+    otherwise. A jsonl line that is no JSON object comes as the error saying so, for the caller to
+    skip or raise (`Malformed`). `split`: as in `read_records`."""
+    if spec.startswith("builtin:"):
+        from draftsmith.data.corpus import builtin_corpus
+
+        rows = builtin_corpus(spec.removeprefix("builtin:"))
+    elif Path(spec).suffix == ".jsonl":
+        if not Path(spec).is_file():
+            raise DraftsmithError(f"{spec}: data file not found")
+        return _read_jsonl(Path(spec))
+    else:
+        rows = _load_dataset(spec, split)
+    return [(f"{spec}: record {n}", row) for n, row in enumerate(rows)]
+
+
+def read_records(spec: str, split: str = "train") -> list[dict]:
+    """A jsonl/json/parquet file, `builtin:<name>`, or what `datasets.load_dataset` reads (a dataset
+    folder or a hub name) -> its records; a malformed jsonl line is an error naming file:line.
+    `split` picks the split of a dataset folder or hub dataset. A single file and a built-in corpus
+    hold one split, so it is ignored for them (a jsonl holdout serves any data.holdout_split)."""
+    rows = []
+    for _, row in located_records(spec, split):
+        if isinstance(row, DraftsmithError):
+            raise row
+        rows.append(row)
+    return rows
+
+
+def _brief(value) -> str:
+    """A value for an error message, cut short (a malformed turn may hold a whole document)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _sharegpt_turn(m, where: str) -> dict:
+    if not isinstance(m, dict) or not isinstance(m.get("from"), str) or not isinstance(m.get("value"), str):
+        raise DraftsmithError(f"{where}: ShareGPT turn needs 'from' and 'value' strings, got {_brief(m)}")
+    role = SHAREGPT_ROLES.get(m["from"].lower())
+    if role is None:
+        raise DraftsmithError(f"{where}: ShareGPT turn 'from' must be human, gpt or system, got {_brief(m['from'])}")
+    return {"role": role, "content": m["value"]}
 
 
 def to_messages(row: dict, where: str) -> list[dict] | str:
     """Normalise one record to OpenAI-style messages, or plain text for `text` records."""
+    # A file mixing shapes loads (json/parquet, datasets) with every column in every row, None where absent.
+    row = {k: v for k, v in row.items() if v is not None}
     if "messages" in row:
         msgs = row["messages"]
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-            raise DraftsmithError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+        if not msgs or not isinstance(msgs, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
+            raise DraftsmithError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings, "
+                                  f"got {_brief(msgs)}")
         return [{"role": m["role"], "content": m["content"]} for m in msgs]
     if "conversations" in row:
-        out = []
-        for m in row["conversations"]:
-            role = SHAREGPT_ROLES.get(str(m.get("from", "")).lower())
-            if role is None or "value" not in m:
-                raise DraftsmithError(f"{where}: ShareGPT turn needs 'from' (human/gpt/system) and 'value', got {m}")
-            out.append({"role": role, "content": m["value"]})
-        return out
+        turns = row["conversations"]
+        if not turns or not isinstance(turns, list):
+            raise DraftsmithError(f"{where}: 'conversations' must be a non-empty list of ShareGPT turns, got {_brief(turns)}")
+        return [_sharegpt_turn(m, where) for m in turns]
     if "prompt" in row:
+        if not isinstance(row["prompt"], str) or not isinstance(row.get("completion", ""), str):
+            raise DraftsmithError(f"{where}: 'prompt' (and 'completion') must be strings")
         msgs = [{"role": "user", "content": row["prompt"]}]
-        if row.get("completion") is not None:
+        if "completion" in row:
             msgs.append({"role": "assistant", "content": row["completion"]})
         return msgs
     if "text" in row:
@@ -87,9 +169,17 @@ def prompt_messages(msgs: list[dict]) -> list[dict]:
     return msgs[:last]
 
 
-def _template_ids(tok, msgs: list[dict], add_generation_prompt: bool) -> list[int]:
-    return tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                   return_dict=False)
+def _apply_template(tok, msgs: list[dict], where: str, **kwargs):
+    from jinja2 import TemplateError
+
+    try:
+        return tok.apply_chat_template(msgs, tokenize=True, **kwargs)
+    except TemplateError as e:  # e.g. `raise_exception('roles must alternate')` in the template
+        raise DraftsmithError(f"{where}: the chat template refuses this conversation ({e})") from None
+
+
+def _template_ids(tok, msgs: list[dict], add_generation_prompt: bool, where: str) -> list[int]:
+    return _apply_template(tok, msgs, where, add_generation_prompt=add_generation_prompt, return_dict=False)
 
 
 def require_chat_template(tok, where: str) -> None:
@@ -97,24 +187,48 @@ def require_chat_template(tok, where: str) -> None:
         raise DraftsmithError(f"{where}: chat data needs a chat template, but the target's tokenizer has none")
 
 
+def marks_generations(tok) -> bool:
+    """Whether the chat template marks assistant spans with {% generation %} ... {% endgeneration %}."""
+    return isinstance(tok.chat_template, str) and bool(GENERATION_TAG.search(tok.chat_template))
+
+
+def mask_method(tok) -> str:
+    """How `tokenize_example` finds the assistant tokens of a conversation with this tokenizer."""
+    return "generation markers" if marks_generations(tok) else "prefix rendering"
+
+
 def tokenize_example(tok, item: list[dict] | str, max_length: int, where: str) -> dict:
     """-> {input_ids, loss_mask}; loss_mask is 1 on assistant tokens (all tokens for plain text).
 
-    Assistant spans are found by rendering growing prefixes of the conversation: the tokens a turn
-    adds beyond `template(prefix, add_generation_prompt=True)` are that assistant turn's tokens.
+    A template with {% generation %} markers says which tokens are the assistant's. Otherwise each
+    assistant turn's span is found by rendering growing prefixes of the conversation: the tokens it
+    adds beyond `template(msgs[:i], add_generation_prompt=True)`, up to `template(msgs[:i+1])`.
     """
     if isinstance(item, str):
         ids = tok(item, add_special_tokens=True)["input_ids"][:max_length]
         return {"input_ids": ids, "loss_mask": [1] * len(ids)}
     require_chat_template(tok, where)
-    ids = _template_ids(tok, item, add_generation_prompt=False)
+    if marks_generations(tok):
+        out = _apply_template(tok, item, where, return_dict=True, return_assistant_tokens_mask=True)
+        return {"input_ids": out["input_ids"][:max_length], "loss_mask": out["assistant_masks"][:max_length]}
+    ids = _template_ids(tok, item, False, where)
     mask = [0] * len(ids)
     for i, m in enumerate(item):
         if m["role"] != "assistant":
             continue
-        start = len(_template_ids(tok, item[:i], add_generation_prompt=True))
-        end = len(_template_ids(tok, item[: i + 1], add_generation_prompt=False))
-        mask[start:end] = [1] * (end - start)
+        before = _template_ids(tok, item[:i], True, where)
+        through = _template_ids(tok, item[: i + 1], False, where)
+        # Prefix spans are right only if the full rendering starts with both prefixes. Templates that
+        # render a turn by its position break that: Qwen3's adds an empty <think></think> block to
+        # the last assistant turn only, so `through` (turn i last) holds tokens the full rendering
+        # has not, and its length would reach into the next turn's header. Refuse the record rather
+        # than train on a shifted mask.
+        if ids[: len(before)] != before or ids[: len(through)] != through:
+            raise DraftsmithError(
+                f"{where}: the chat template renders turn {i} (assistant) differently once later turns follow, "
+                "so its loss mask cannot be found from prefix renderings; a chat template with "
+                "{% generation %} markers avoids this")
+        mask[len(before):len(through)] = [1] * (len(through) - len(before))
     return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
 
 
@@ -132,16 +246,31 @@ def tokenized_example(row: dict, vocab: int, max_length: int, where: str) -> dic
     return {"input_ids": input_ids, "loss_mask": mask, "length": len(input_ids)}
 
 
-def load_prompts(spec: str, max_prompts: int = 0) -> list[list[dict] | str]:
-    """Prompts of a holdout: chat records lose their last assistant turn; text records are kept."""
-    out = []
-    for n, row in enumerate(read_records(spec)):
-        item = to_messages(row, f"{spec}: record {n}")
-        out.append(item if isinstance(item, str) else prompt_messages(item))
+def encode_record(tok, row: dict, max_length: int, where: str) -> tuple[dict, str]:
+    """One record as training tokenizes it, and what its loss mask comes from (`data inspect`)."""
+    if "completion_ids" in row:
+        return tokenized_example(row, len(tok), max_length, where), "the record's completion_ids"
+    item = to_messages(row, where)
+    if isinstance(item, str):
+        return tokenize_example(tok, item, max_length, where), "plain text (every token trained)"
+    return tokenize_example(tok, item, max_length, where), mask_method(tok)
+
+
+def load_prompts(spec: str, max_prompts: int = 0, split: str = "train",
+                 malformed: str = "skip") -> list[list[dict] | str]:
+    """Prompts of a holdout: chat records lose their last assistant turn; text records are kept.
+    Malformed records are skipped with one summary line, or with malformed="error" stop at the first."""
+    refused, out, read = Malformed(spec, malformed), [], 0
+    for where, row in located_records(spec, split):
+        read += 1
+        item = refused.keep(to_messages, row, where)
+        if item is not None:
+            out.append(item if isinstance(item, str) else prompt_messages(item))
         if max_prompts and len(out) >= max_prompts:
             break
+    refused.report(read)
     if not out:
-        raise DraftsmithError(f"{spec}: holdout has no prompts")
+        raise DraftsmithError(f"{spec}: no prompts in the data")
     return out
 
 
@@ -149,4 +278,4 @@ def encode_prompt(tok, item: list[dict] | str) -> list[int]:
     if isinstance(item, str):
         return tok(item, add_special_tokens=True)["input_ids"]
     require_chat_template(tok, "prompt")
-    return _template_ids(tok, item, add_generation_prompt=True)
+    return _template_ids(tok, item, True, "prompt")

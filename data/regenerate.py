@@ -26,7 +26,8 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from draftsmith.data.features import ShardWriter, target_features
-from draftsmith.data.load import encode_prompt, prompt_messages, read_records, require_chat_template, to_messages
+from draftsmith.data.sharding import Shard
+from draftsmith.data.load import encode_prompt, load_prompts, require_chat_template
 from draftsmith.train.kernels import packed_linears
 
 
@@ -83,8 +84,9 @@ def answer_batch(target, prompts: list[list[int]], max_new_tokens: int, eos: set
     return [(a, {n: torch.cat(k[n]) for n in names}) for a, k in zip(answers, kept)]
 
 
-def _done_ids(partial: Path) -> set[int]:
-    """Ids of complete lines; a line cut by an interruption (and everything after it) is dropped."""
+def _done_ids(partial: Path, own: bool = True) -> set[int]:
+    """Ids of complete lines; a line cut by an interruption (and everything after it) is dropped
+    (and, in this rank's `own` file, cut away before it appends)."""
     done, keep = set(), []
     if partial.is_file():
         for line in partial.read_text().splitlines():
@@ -93,29 +95,41 @@ def _done_ids(partial: Path) -> set[int]:
             except (json.JSONDecodeError, KeyError):
                 break
             keep.append(line)
-        partial.write_text("".join(l + "\n" for l in keep))
+        if own:
+            partial.write_text("".join(l + "\n" for l in keep))
     return done
 
 
 def regenerate(target, tok, data: str, out: Path, batch_size: int = 8, max_new_tokens: int = 128,
                temperature: float = 0.0, max_examples: int = 0, seed: int = 0, names: tuple[str, ...] = (),
-               features_out: Path | None = None, fingerprint: str = "") -> Path:
+               features_out: Path | None = None, fingerprint: str = "", shard: Shard = Shard(),
+               split: str = "train", malformed: str = "skip") -> Path:
     """Answer every prompt of `data`; write records (messages + exact ids) to `out` and, with
-    `names`, the target features of every token to `features_out` (data/features.py format)."""
-    prompts = _prompts(tok, data, max_examples)
-    out, partial = Path(out), _partial(out)
-    done = _done_ids(partial)
-    writer = ShardWriter(features_out, names, fingerprint, target.config.hidden_size, resume=True) if names else None
+    `names`, the target features of every token to `features_out` (data/features.py format).
+
+    Over the ranks of a launch (`shard`), every rank answers its share of the batches one process
+    would form, into its own partial file and feature shards; rank 0 merges them. Greedy answers
+    are then identical to one process's (each batch is the same computation)."""
+    prompts = _prompts(tok, data, max_examples, split, malformed)
+    out, partial = Path(out), _partial(out, shard.rank)
+    # Every rank's finished answers (each rank first cuts its own file to whole lines), read by all
+    # before any rank appends again: all ranks then split the same remaining prompts.
+    _done_ids(partial)
+    shard.barrier()
+    done = set().union(*(_done_ids(f, own=False) for f in _partials(out)))
+    shard.barrier()
+    writer = ShardWriter(features_out, names, fingerprint, target.config.hidden_size, resume=True,
+                         prefix=f"r{shard.rank}-") if names else None
     ids = {i: encode_prompt(tok, p) for i, p in enumerate(prompts) if i not in done}
     # Longest first, so each batch holds prompts of similar length (little padding to compute).
     todo = sorted(ids, key=lambda i: -len(ids[i]))
-    generator = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
+    batches = shard.mine([todo[s:s + batch_size] for s in range(0, len(todo), batch_size)])
+    generator = torch.Generator(device=next(target.parameters()).device).manual_seed(seed + shard.rank)
     eos = eos_ids(target, tok)
     # Prepacked fp32 CPU linears (train/kernels.py): decode steps feed [B, 1], a small-batch matmul
     # that torch's default kernel runs several times slower here.
     with open(partial, "a") as f, packed_linears(target):
-        for s in tqdm(range(0, len(todo), batch_size), desc="regenerate"):
-            batch = todo[s:s + batch_size]
+        for batch in tqdm(batches, desc="regenerate", disable=not shard.main):
             results = answer_batch(target, [ids[i] for i in batch], max_new_tokens, eos, tok.pad_token_id,
                                    names, temperature, generator)
             if writer:  # features first: a record is only ever written once its features are on disk
@@ -123,22 +137,30 @@ def regenerate(target, tok, data: str, out: Path, batch_size: int = 8, max_new_t
             for i, (answer, _) in zip(batch, results):
                 f.write(_record(tok, i, prompts[i], ids[i], answer) + "\n")
             f.flush()
-    return _finish(partial, out, writer)
+    shard.barrier()  # every rank's share is on disk
+    if shard.main:
+        _finish(out, writer)
+    shard.barrier()
+    return out
 
 
-def _prompts(tok, data: str, max_examples: int) -> list[list[dict]]:
-    """The prompt messages of every record (their answers, if any, are what regeneration replaces)."""
+def _prompts(tok, data: str, max_examples: int, split: str = "train", malformed: str = "skip") -> list[list[dict]]:
+    """The prompt messages of every record (their answers, if any, are what regeneration replaces);
+    `split` and `malformed` as in `load_prompts`."""
     require_chat_template(tok, "data regenerate")
-    prompts = []
-    for n, row in enumerate(read_records(data)[: max_examples or None]):
-        item = to_messages(row, f"{data}: record {n}")
-        prompts.append([{"role": "user", "content": item}] if isinstance(item, str) else prompt_messages(item))
-    return prompts
+    return [[{"role": "user", "content": p}] if isinstance(p, str) else p
+            for p in load_prompts(data, max_examples, split, malformed)]
 
 
-def _partial(out: Path) -> Path:
+def _partial(out: Path, rank: int = 0) -> Path:
+    """Where a rank appends its answers until every prompt is answered."""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    return Path(out).with_name(Path(out).name + ".partial")
+    return Path(out).with_name(Path(out).name + ".partial" + (f"-{rank}" if rank else ""))
+
+
+def _partials(out: Path) -> list[Path]:
+    """Every rank's partial file (a resumed run may have another number of ranks)."""
+    return sorted(Path(out).parent.glob(Path(out).name + ".partial*"))
 
 
 def _record(tok, i: int, prompt: list[dict], prompt_ids: list[int], answer: list[int]) -> str:
@@ -148,22 +170,23 @@ def _record(tok, i: int, prompt: list[dict], prompt_ids: list[int], answer: list
                        "prompt_ids": prompt_ids, "completion_ids": answer})
 
 
-def _finish(partial: Path, out: Path, writer=None) -> Path:
-    """Every prompt answered: OUT sorted by id (and the feature index) appear, the partial file goes."""
-    lines = sorted(partial.read_text().splitlines(), key=lambda l: json.loads(l)["id"])
+def _finish(out: Path, writer=None) -> Path:
+    """Every prompt answered: OUT sorted by id (and the feature index) appear, the partial files go."""
+    lines = sorted((l for f in _partials(out) for l in f.read_text().splitlines()), key=lambda l: json.loads(l)["id"])
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text("".join(l + "\n" for l in lines))
     if writer:
         writer.finish(len(lines))
     tmp.replace(out)
-    partial.unlink()
+    for f in _partials(out):
+        f.unlink()
     return out
 
 
 def regenerate_vllm(target: str, tok, data: str, out: Path, max_new_tokens: int = 128, temperature: float = 0.0,
                     top_p: float = 1.0, max_examples: int = 0, concurrency: int = 16, seed: int = 0,
                     server: str | None = None, python: str | None = None, dtype: str = "auto",
-                    extra: tuple[str, ...] = ()) -> Path:
+                    extra: tuple[str, ...] = (), split: str = "train", malformed: str = "skip") -> Path:
     """`--engine vllm`: the target (a folder or hub id vLLM resolves) answers every prompt of `data`
     through a vLLM server (started here, or `server`), `concurrency` requests in flight. Prompts go
     as token ids and answers come back as token ids, stored unchanged in `completion_ids`. Resumable
@@ -173,7 +196,7 @@ def regenerate_vllm(target: str, tok, data: str, out: Path, max_new_tokens: int 
     from draftsmith.data import vllm_server
     from draftsmith.train.precision import torch_dtype
 
-    prompts = _prompts(tok, data, max_examples)
+    prompts = _prompts(tok, data, max_examples, split, malformed)
     out, partial = Path(out), _partial(out)
     done = _done_ids(partial)
     ids = {i: encode_prompt(tok, p) for i, p in enumerate(prompts) if i not in done}
@@ -195,25 +218,37 @@ def regenerate_vllm(target: str, tok, data: str, out: Path, max_new_tokens: int 
                 pass
         finally:  # Ctrl-C or an error: drop the queued prompts instead of answering them all first
             pool.shutdown(wait=True, cancel_futures=True)
-    return _finish(partial, out)
+    return _finish(out)
+
+
+def regeneration_path(target, tok, data: str, fingerprint: str, cache_dir: Path, max_examples: int,
+                      max_new_tokens: int, batch_size: int = 0, names: tuple[str, ...] = (),
+                      vllm: dict | None = None, split: str = "train", malformed: str = "skip") -> Path:
+    """Where `cached_regeneration` keeps the answers for these arguments (one file per target, data,
+    split, size and engine settings)."""
+    what = [fingerprint, data, max_examples, max_new_tokens, 2] + ([split] if split != "train" else [])
+    if vllm:  # another engine, maybe sampled: other answers, another cache entry
+        what += ["vllm", vllm.get("temperature", 0.0), vllm.get("top_p", 1.0)]
+    key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
+    return Path(cache_dir) / "regenerated" / f"{key}.jsonl"
 
 
 def cached_regeneration(target, tok, data: str, fingerprint: str, cache_dir: Path, max_examples: int,
                         max_new_tokens: int, batch_size: int, names: tuple[str, ...] = (),
-                        vllm: dict | None = None) -> tuple[Path, Path | None]:
+                        vllm: dict | None = None, shard: Shard = Shard(), split: str = "train",
+                        malformed: str = "skip") -> tuple[Path, Path | None]:
     """`data.regenerate=true` in a recipe: regenerate once per (target, data, size) and reuse it.
     With `names` (offline features), the same pass caches the features -> (records, feature folder).
     With `vllm` (`regenerate_vllm`'s keyword arguments, `target` included) the answers come from a
     vLLM server instead, and the caller computes the features from the records in one target pass.
-    An interrupted regeneration resumes from its `.partial` file on the next run."""
-    what = [fingerprint, data, max_examples, max_new_tokens, 2]
-    if vllm:  # another engine, maybe sampled: other answers, another cache entry
-        what += ["vllm", vllm.get("temperature", 0.0), vllm.get("top_p", 1.0)]
-    key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
-    out = Path(cache_dir) / "regenerated" / f"{key}.jsonl"
+    An interrupted regeneration resumes from its `.partial` files on the next run. `shard`: this
+    rank's share of a launch (every rank calls this; see `regenerate`)."""
+    out = regeneration_path(target, tok, data, fingerprint, cache_dir, max_examples, max_new_tokens, vllm=vllm, split=split)
+    key = out.stem
     if vllm:
         if not out.is_file():
-            regenerate_vllm(tok=tok, data=data, out=out, max_new_tokens=max_new_tokens, max_examples=max_examples, **vllm)
+            regenerate_vllm(tok=tok, data=data, out=out, max_new_tokens=max_new_tokens, max_examples=max_examples,
+                            split=split, malformed=malformed, **vllm)
         return out, None
     dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
     feats = (Path(cache_dir) / "regenerated" / f"{key}-{'-'.join(sorted(names))}-{dtype}") if names else None
@@ -227,6 +262,5 @@ def cached_regeneration(target, tok, data: str, fingerprint: str, cache_dir: Pat
                 return out, index.parent
         return out, None
     regenerate(target, tok, data, out, batch_size, max_new_tokens, 0.0, max_examples, names=names,
-               features_out=feats, fingerprint=fingerprint)
+               features_out=feats, fingerprint=fingerprint, shard=shard, split=split, malformed=malformed)
     return out, feats
-

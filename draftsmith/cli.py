@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -55,7 +56,8 @@ DATA_HELP = """examples:
   draftsmith data regenerate --engine vllm --target meta-llama/Llama-3.1-8B-Instruct --data prompts.jsonl \\
       --out regen.jsonl --concurrency 64 --vllm-arg=--tensor-parallel-size --vllm-arg=8
   draftsmith data features recipes/cpu/eagle-smollm2.yaml --out features/smollm2-code
-  draftsmith data corpus builtin:code --out code.jsonl"""
+  draftsmith data corpus builtin:code --out code.jsonl
+  draftsmith data inspect recipes/cpu/eagle-smollm2.yaml --index 3   (the tokens training sees, loss mask coloured)"""
 
 
 def cmd_train(args) -> None:
@@ -65,6 +67,43 @@ def cmd_train(args) -> None:
     from draftsmith.train.loop import train
 
     train(config)
+
+
+# The files a report folder holds (eval/report.py; before_after.* from a fine-tuning run's eval stage).
+REPORT_FILES = {"report.json", "report.md", "acceptance.png", "batch_curve.png", "before_after.json", "before_after.md"}
+
+
+def unused_folder(folder: Path) -> Path:
+    """`folder`, else the first of `folder-2`, `folder-3`, … that does not exist: a default never replaces a result."""
+    out, n = folder, 1
+    while out.exists():
+        n += 1
+        out = folder.with_name(f"{folder.name}-{n}")
+    return out
+
+
+def standalone_folder(drafter: str, args) -> Path:
+    """Where an eval of a trained drafter goes without --out: RUN/evals/<holdout>-k<K>[-<kind>-tree]-<N>p[-t<T>].
+    Not RUN/eval/: that holds the training run's own report, which publish puts in the model card."""
+    holdout = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(args.data.split(":", 1)[-1]).stem).strip("-") or "holdout"
+    name = f"{holdout}-k{args.k}" + (f"-{args.tree.split(':')[0]}-tree" if args.tree else "") + f"-{args.num_prompts}p"
+    return unused_folder(Path(drafter).parent / "evals" / (name + (f"-t{args.temperature:g}" if args.temperature else "")))
+
+
+def checked_out(out: Path, force: bool) -> Path:
+    """An explicit --out. Writing a report replaces the folder whole (write_report), so one that holds
+    a report is refused unless --force, and one that holds anything else always."""
+    if not out.exists():
+        return out
+    if not out.is_dir():
+        raise DraftsmithError(f"--out {out}: is a file; expected a folder for the report")
+    other = sorted(p.name for p in out.iterdir() if p.name not in REPORT_FILES)
+    if other:
+        raise DraftsmithError(f"--out {out}: holds {', '.join(other[:3])}{', ...' if len(other) > 3 else ''}, which are "
+                              "not a report's files, and writing the report replaces the folder; give a new one")
+    if (out / "report.json").exists() and not force:
+        raise DraftsmithError(f"--out {out}: already holds a report (report.json); --force replaces it")
+    return out
 
 
 def cmd_eval(args) -> None:
@@ -90,6 +129,10 @@ def cmd_eval(args) -> None:
     path = parse_drafter(args.drafter)[0]
     metas = [read_drafter_meta(Path(d)) for d in trained_folders(args.drafter)]  # bad folders fail before loading
     trained = metas and trained_folders(args.drafter) == [path]  # a trained drafter on its own
+    if args.out:
+        out = checked_out(Path(args.out), args.force)
+    else:  # beside the run's own report for a trained drafter; else a new folder here
+        out = standalone_folder(path, args) if trained else unused_folder(Path(f"eval-{path.split(':')[0]}"))
     target_name = args.target or (metas[0]["target"] if metas else None)
     target, tok = load_target(target_name or "smollm2-135m", args.dtype)
     ensure_pad(tok)
@@ -97,12 +140,10 @@ def cmd_eval(args) -> None:
                   target_name=target_name or "smollm2-135m", temperature=args.temperature, top_p=args.top_p, tree=args.tree,
                   batch_sizes=batch_sizes)
     if not trained:  # training-free drafters and combinations (eval/compare.py `load_proposer`)
-        out = Path(args.out or f"eval-{path.split(':')[0]}")
         label, proposer, verifier, tree = load_proposer(args.drafter, target, args.allow_stale)
         report = evaluate(proposer, label, verifier, tok, args.data, out, **{**common, "tree": tree or args.tree})
     else:
         module, dcfg, drafter = load_drafter(path, target, allow_stale=args.allow_stale)
-        out = Path(args.out) if args.out else Path(path).parent / "eval"
         if metas[0]["target_fingerprint"] != fingerprint(target):  # allowed: the report says so, with both fingerprints
             common["stale"] = {"trained_for": metas[0]["target_fingerprint"], "evaluated_on": fingerprint(target)}
         report = evaluate_drafter(module, drafter, dcfg, target, tok, args.data, out, **common)
@@ -246,7 +287,8 @@ def cmd_features(args) -> None:
     cfg = load_config(args.recipe, args.overrides)
     target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir)
     ensure_pad(tok)
-    ds = build_dataset(cfg.data.train, tok, cfg.data.max_length, cfg.data.max_examples)
+    ds = build_dataset(cfg.data.train, tok, cfg.data.max_length, cfg.data.max_examples, split=cfg.data.split,
+                       malformed=cfg.data.malformed)
     from draftsmith.train.config import drafter_config
 
     names = drafter_module(cfg.drafter["type"]).feature_names(drafter_config(cfg), target.config)
@@ -276,6 +318,44 @@ def cmd_corpus(args) -> None:
     print(f"wrote {len(rows)} records to {out}")
 
 
+def cmd_inspect(args) -> None:
+    from rich.console import Console
+    from rich.text import Text
+    from transformers import AutoTokenizer
+
+    from draftsmith.data.load import encode_record, located_records
+    from draftsmith.models.target import resolve_target
+    from draftsmith.train.config import load_config
+
+    cfg = load_config(args.recipe, args.overrides)
+    spec = cfg.data.train
+    records = located_records(spec, cfg.data.split)
+    if not 0 <= args.index < len(records):
+        raise DraftsmithError(f"data inspect: --index {args.index}, but {spec} has {len(records)} records")
+    try:  # the tokenizer only, no weights
+        tok = AutoTokenizer.from_pretrained(resolve_target(cfg.target, cfg.cache_dir))
+    except OSError as e:
+        raise DraftsmithError(f"target '{cfg.target}': cannot load its tokenizer ({str(e).splitlines()[0]})") from None
+    where, row = records[args.index]
+    try:
+        if isinstance(row, DraftsmithError):
+            raise row
+        ex, method = encode_record(tok, row, cfg.data.max_length, where)
+    except DraftsmithError as e:  # why, then what training does with such a record
+        raise DraftsmithError(f"{e} (data.malformed={cfg.data.malformed}: training "
+                              f"{'skips' if cfg.data.malformed == 'skip' else 'stops at'} such a record)") from None
+    text = Text()
+    for token, trained in zip(ex["input_ids"], ex["loss_mask"]):
+        text.append(tok.decode([token]), style="bold green" if trained else "dim")
+    trained = sum(ex["loss_mask"])
+    dropped = "; training drops it (no assistant tokens within data.max_length)" if trained <= 2 else ""
+    console = Console()
+    console.print(text, soft_wrap=True)
+    console.print(Text.assemble(
+        f"{where}: {len(ex['input_ids'])} tokens, ", (f"{trained} trained", "bold green"), ", ",
+        (f"{len(ex['input_ids']) - trained} masked", "dim"), f"; loss mask from {method}{dropped}"), soft_wrap=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(prog="draftsmith", description="Train speculative-decoding drafters and measure their speedup.")
@@ -300,7 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int, default=64)
     e.add_argument("--num-prompts", type=int, default=20)
     e.add_argument("--dtype", default="auto", type=dtype_arg, help=DTYPE_HELP)
-    e.add_argument("--out", help="report folder (default: next to the drafter)")
+    e.add_argument("--out", help="report folder (default for a trained drafter: RUN/evals/<holdout>-k<K>-<N>p, beside "
+                   "the training run's own RUN/eval/, which stays as training wrote it; for others: eval-<drafter>)")
+    e.add_argument("--force", action="store_true", help="let --out replace the report the folder already holds")
     e.add_argument("--batch-sizes", help="also measure batched decoding at these batch sizes, e.g. 1,2,4,8,16 "
                    "(greedy, chain drafts): the batch-size curve in the report")
     e.add_argument("--allow-stale", action="store_true", help="evaluate against a target the drafter was not trained "
@@ -365,7 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--private", action="store_true")
     pb.add_argument("--revision", help="upload to this branch (created if missing)")
     pb.add_argument("--dry-run", action="store_true", help="write the folder that would be uploaded; upload nothing")
-    pb.add_argument("--force", action="store_true", help="publish without a lossless eval report or a passing parity check")
+    pb.add_argument("--force", action="store_true", help="publish without the run's eval report, or with one that broke the verification rule "
+                    "(serving parity is always checked)")
     pb.add_argument("--out", help="the folder to write (default: next to the drafter, publish-FORMAT)")
     pb.add_argument("--license", default="other", help="model card license (the target's terms usually apply)")
     pb.add_argument("--target", help="target to check the drafter against (default: the one it was trained for)")
@@ -425,6 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("name")
     c.add_argument("--out", required=True)
     c.set_defaults(fn=cmd_corpus)
+    i = dsub.add_parser("inspect", help="print one training example of a recipe token by token, its loss mask "
+                        "coloured (trained tokens bold green, masked dim)")
+    i.add_argument("recipe")
+    i.add_argument("overrides", nargs="*")
+    i.add_argument("--index", type=int, default=0, help="which record of data.train (0-based)")
+    i.set_defaults(fn=cmd_inspect)
     return p
 
 

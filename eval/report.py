@@ -48,6 +48,7 @@ def _markdown(r: dict) -> str:
         "τ = tokens emitted per target verification pass (bonus token included), pooled over prompts.",
         "Per-position acceptance j = P(draft token j accepted | tokens < j accepted); on a tree, j is the depth.",
         "Lossless = every output identical to target-only greedy decoding of the same prompt.",
+        *_rule(r),
         f"Mismatching prompts: {r.get('lossless_mismatches')}; target logit gap at each first divergence: "
         f"{r.get('mismatch_logit_gaps') or '-'} (bf16 near-ties show as gaps near bf16 resolution).",
         "*sampled: outputs differ by design at temperature > 0; the rejection rule's exactness is",
@@ -81,6 +82,16 @@ def _batch_curve(r: dict) -> list[str]:
             "| batch size | τ | acceptance | target tok/s | spec tok/s | speedup | lossless |", "|---|---|---|---|---|---|---|",
             *[f"| {c['batch_size']} | {c['tau']:.2f} | {c['acceptance_rate']:.2f} | {c['target_tokens_per_s']:.1f} | "
               f"{c['spec_tokens_per_s']:.1f} | {c['speedup']:.2f}x | {LOSSLESS[c['lossless']]} |" for c in curve], ""]
+
+
+def _rule(r: dict) -> list[str]:
+    """Greedy: the verification rule checked round by round, apart from the target-only comparison."""
+    if r.get("rule_exact") is None:
+        return []
+    return [f"Rule-exact = every round emitted what the verification rule gives for the target's own logits "
+            f"of that pass (what makes speculation lossless): **{'yes' if r['rule_exact'] else 'NO'}**. "
+            f"Identical to a separately run target-only decode: {r['num_prompts'] - (r.get('lossless_mismatches') or 0)} "
+            f"of {r['num_prompts']} prompts (in bf16, kernels of other shapes can break near-ties while the rule holds)."]
 
 
 def _drift(r: dict) -> list[str]:

@@ -50,7 +50,8 @@ def divergence_gap(target, prompt: list[int], ref: list[int], generated: list[in
 def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k: int = 5, num_prompts: int = 20,
              max_new_tokens: int = 64, target_name: str = "", temperature: float = 0.0, top_p: float = 1.0,
              tree: str | None = None, baseline: list[tuple[list[int], float]] | None = None,
-             stale: dict | None = None, kernels: bool = True, batch_sizes: list[int] | None = None) -> dict:
+             stale: dict | None = None, kernels: bool = True, batch_sizes: list[int] | None = None,
+             split: str = "train") -> dict:
     """Decode each holdout prompt target-only and speculatively; measure τ, acceptance, speed.
     proposer: a drafter's proposer (`module.make_proposer`), an NgramProposer, or None (k becomes 0).
     tree: a tree spec (models/drafts.py) instead of a chain of k drafts; k then reports the tree depth.
@@ -71,7 +72,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         k = 0
     elif spec is not None:
         k = spec.depth
-    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
+    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts, split)]
     eos = eos_ids(target, tok)
     device = next(target.parameters()).device
     def sampler(seed):
@@ -107,6 +108,11 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         # Greedy: checked token by token. Sampling: outputs differ by design; exactness is a
         # distribution-level property, tested by chi-square tests in tests/test_sampling.py and test_tree.py.
         "lossless": mismatches == 0 if temperature == 0 else None,
+        # Greedy, two checks: `rule_exact`, every round emitted what the verification rule gives for
+        # the target's own logits of that pass (what makes speculation lossless), and `lossless`,
+        # outputs identical to a separately run target-only decode, which bf16 near-ties can break
+        # (other shapes, other kernels, other roundings) while the rule holds.
+        "rule_exact": stats.rule_breaks == 0 if temperature == 0 else None,
         "target_tokens_per_s": round(target_tps, 2), "spec_tokens_per_s": round(spec_tps, 2),
         "speedup": round(spec_tps / target_tps, 3),
         # Beyond the fixed keys: the conditions users need to read the numbers.
@@ -143,10 +149,11 @@ def fresh_copies(proposer):
 
 
 def target_baseline(target, tok, holdout: str, num_prompts: int = 20, max_new_tokens: int = 64,
-                    temperature: float = 0.0, top_p: float = 1.0, kernels: bool = True, **_) -> list[tuple[list[int], float]]:
+                    temperature: float = 0.0, top_p: float = 1.0, kernels: bool = True, split: str = "train",
+                    **_) -> list[tuple[list[int], float]]:
     """Target-only decoding of the holdout prompts: (output, seconds) per prompt, seeded as `evaluate`
     seeds them, so a shared baseline is the one `evaluate` would have measured."""
-    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
+    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts, split)]
     eos, device = eos_ids(target, tok), next(target.parameters()).device
     with packed_linears(target, enabled=kernels):
         target_decode(target, prompts[0][:8], max_new_tokens, eos, None)  # warm-up, as in evaluate
@@ -171,14 +178,14 @@ def evaluate_drafter(module, drafter, dcfg, target, tok, holdout: str, out: Path
 
 @torch.no_grad()
 def backbone_drift(original, trained, tok, holdout: str, proposer, k: int = 5, num_prompts: int = 20,
-                   max_new_tokens: int = 64, tree: str | None = None, **_) -> dict:
+                   max_new_tokens: int = 64, tree: str | None = None, split: str = "train", **_) -> dict:
     """How far training moved the verifier, on the holdout prompts (greedy):
     - unchanged_fraction: prompts whose greedy output is the same under the original and the trained target;
     - token_agreement: along the original's greedy output, how often the trained target's next-token
       argmax is the original's token (teacher-forced, so one early change does not count twice);
     - original_tau: τ of the same heads drafting for the *original* target (what they would give if
       the backbone were served unchanged)."""
-    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
+    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts, split)]
     eos, device = eos_ids(original, tok), next(original.parameters()).device
     spec, stats = (parse_tree(tree) if tree else None), Stats(k=k)
     unchanged, agree, total = 0, 0, 0

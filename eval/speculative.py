@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from draftsmith.data.features import target_features
-from draftsmith.eval.tree import verification_inputs, verify_tree_greedy, verify_tree_sampled
+from draftsmith.eval.tree import rule_exact, verification_inputs, verify_tree_greedy, verify_tree_sampled
 from draftsmith.models.drafts import Draft, TreeSpec
 from draftsmith.models.common import keep_cache_positions
 
@@ -34,6 +34,7 @@ class Stats:
     accepted_at: list[int] = field(default_factory=list)
     seconds: float = 0.0
     new_tokens: int = 0      # all generated tokens (prefill token included), for tokens/s
+    rule_breaks: int = 0     # greedy rounds whose emitted tokens are not the rule's for that pass (eval/tree.py rule_exact)
 
     def __post_init__(self):
         self.reached = self.reached or [0] * self.k
@@ -202,6 +203,8 @@ def speculative_decode(target, proposer, prompt: list[int], k: int, max_new: int
         mask, positions = verification_inputs(draft, prefix, device)
         new_feats, logits = _forward(target, tokens[-1:] + draft.tokens, cache, device, names, mask, positions)
         path, new = verify_tree_greedy(draft, logits[0]) if sampler is None else verify_tree_sampled(draft, logits[0], sampler)
+        if stats is not None and sampler is None:
+            stats.rule_breaks += not rule_exact(draft, logits[0], path, new)
         # Keep the root and the accepted path in the target's cache and features: rows 0 and 1+i.
         rows = [0] + [1 + i for i in path]
         keep_cache_positions(cache, prefix, [prefix + r for r in rows])

@@ -39,6 +39,23 @@ def verify_tree_greedy(draft: Draft, logits: torch.Tensor) -> tuple[list[int], l
         path.append(node)
 
 
+def rule_exact(draft: Draft, logits: torch.Tensor, path: list[int], emitted: list[int]) -> bool:
+    """Did one greedy round emit exactly what the verification rule gives for the verifier's own
+    logits of that pass? Checked from the rule's definition, apart from `verify_tree_greedy`: each
+    accepted node hangs from the previous one and is the argmax after its parent, the emitted tokens
+    are the path's plus the argmax after its last node, and no child of that node is that argmax
+    (the path is as long as the rule allows). This is what makes speculation lossless; a separately
+    run target-only decode can still differ where bf16 kernels of other shapes break a near-tie."""
+    preds, parent = logits.argmax(-1).tolist(), -1
+    for node in path:
+        if draft.parents[node] != parent or draft.tokens[node] != preds[parent + 1]:
+            return False
+        parent = node
+    bonus = preds[parent + 1]
+    return emitted == [draft.tokens[n] for n in path] + [bonus] and all(
+        draft.tokens[c] != bonus for c in draft.children(parent))
+
+
 def verify_tree_sampled(draft: Draft, logits: torch.Tensor, sampler) -> tuple[list[int], list[int]]:
     """Lossless speculative sampling on a tree, sibling by sibling (SpecInfer, Miao et al. 2024;
     EAGLE-2): at a node with target distribution p, try its children in order; child x drafted from

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from draftsmith import DraftsmithError
 from draftsmith.models.drafts import Draft, grow_tree
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every family config is saved with its defaults resolved (EAGLE-3 aux layers)
 
 
 def causal_mask(q_len: int, kv_len: int, padding: torch.Tensor | None = None, device=None) -> torch.Tensor:
@@ -93,6 +93,11 @@ def lora_config(cfg, model: torch.nn.Module):
 def single_group(drafter: torch.nn.Module, cfg, lr: float) -> list[dict]:
     """`param_groups` of a family that trains one module at one learning rate (optim.lr)."""
     return [{"name": "drafter", "params": [p for p in drafter.parameters() if p.requires_grad], "lr": lr}]
+
+
+def keep_config(cfg, init_config: dict, target_config):
+    """`from_init` of a family whose config does not depend on the drafter it starts from."""
+    return cfg
 
 
 def frozen_target(drafter: torch.nn.Module, target):

@@ -29,7 +29,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data.batching import collate
 from draftsmith.data.features import target_features, unpack_topk
 from draftsmith.models.drafts import Draft
-from draftsmith.models.common import crop_cache, frozen_target, lora_config, single_group, vllm_method
+from draftsmith.models.common import crop_cache, frozen_target, keep_config, lora_config, single_group, vllm_method
 from draftsmith.train.losses import DIVERGENCES, expected_acceptance
 
 NAME = "distill"
@@ -118,7 +118,7 @@ def truncated_student(target, cfg: DrafterConfig):
     config.intermediate_size = cfg.intermediate_size or config.intermediate_size
     if getattr(config, "layer_types", None):  # per-layer attention kinds (sliding/full) follow their layers
         config.layer_types = [config.layer_types[i] for i in keep]
-    student = type(target)(config).to(next(target.parameters()).dtype)
+    student = type(target)(config).to(next(target.parameters()).dtype)  # build() picks the training dtype
     state = {}
     for name, tensor in target.state_dict().items():
         parts = name.split(".")
@@ -150,11 +150,16 @@ def check_tokenizer(student_path: str, target) -> None:
 
 
 def build(cfg: DrafterConfig, target, dataset=None):
+    # A full-weight student trains fp32 master weights whatever the target's dtype (bf16 autocast
+    # runs its matmuls in bf16): AdamW's updates at distillation learning rates (~1e-5 of a weight)
+    # are below bf16's resolution and would mostly round away. With LoRA the frozen base keeps the
+    # target's dtype; peft keeps its adapters in fp32.
+    dtype = next(target.parameters()).dtype if cfg.lora_rank else torch.float32
     if cfg.init == "truncate":
-        student = truncated_student(target, cfg)
+        student = truncated_student(target, cfg).to(dtype)
     else:
         check_tokenizer(cfg.init, target)
-        student = AutoModelForCausalLM.from_pretrained(cfg.init, dtype=next(target.parameters()).dtype)
+        student = AutoModelForCausalLM.from_pretrained(cfg.init, dtype=dtype)
     student = student.to(next(target.parameters()).device).train().requires_grad_(True)
     if cfg.lora_rank:
         from peft import get_peft_model
@@ -201,6 +206,7 @@ def rebuild(meta: dict, target):
 
 # The student is one module trained at optim.lr, and the target stays frozen.
 param_groups, verifier = single_group, frozen_target
+from_init = keep_config  # its config does not depend on the drafter it starts from
 
 
 def compute_loss(student, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
@@ -226,6 +232,10 @@ def compute_loss(student, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     else:
         with torch.no_grad():
             teacher = target.get_output_embeddings()(feats["last_hidden"][rows].to(target.dtype)).float()
+        # Padded vocabularies differ (Qwen2.5-7B has 152064 lm_head rows, Qwen2.5-0.5B 151936, one
+        # tokenizer of 151665 tokens): rows past the shorter one are never a real token.
+        v = min(logits.shape[-1], teacher.shape[-1])
+        logits, teacher = logits[:, :v], teacher[:, :v]
     mask = torch.ones(len(teacher), device=ids.device)
     kwargs = {"beta": cfg.beta} if cfg.divergence == "jsd" else {}
     loss = DIVERGENCES[cfg.divergence](logits, teacher, mask, temperature=cfg.temperature, **kwargs)

@@ -21,7 +21,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from draftsmith.models.common import FeatureProposer, frozen_target, single_group, ttt_mask, vllm_method
+from draftsmith.models.common import FeatureProposer, frozen_target, keep_config, single_group, ttt_mask, vllm_method
 from draftsmith.train.losses import smooth_l1_feature_loss, soft_cross_entropy, topk_distillation_loss
 
 NAME = "eagle"
@@ -180,6 +180,7 @@ def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
 
 # The drafter is one module trained at optim.lr, and the target it reads stays frozen.
 param_groups, verifier = single_group, frozen_target
+from_init = keep_config  # its config does not depend on the drafter it starts from
 
 
 # vLLM serves this family's `vllm` export as speculative method `eagle` (eval/serve_check.py).

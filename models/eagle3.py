@@ -13,7 +13,7 @@ Tensor names follow the official/SGLang `LlamaForCausalLMEagle3` checkpoint.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -31,7 +31,8 @@ NAME = "eagle3"
 @dataclass
 class DrafterConfig:
     aux_layers: list | None = None
-    """0-based target decoder layers whose *outputs* are fused; default [2, L//2, L-3] (EAGLE-3)."""
+    """0-based target decoder layers whose *outputs* are fused; default [1, L//2 - 1, L - 4], the
+    layers SpecForge and vLLM tap (`default_aux_layers`)."""
     draft_vocab_size: int = 32000
     """Size of the drafter's own lm_head: the most frequent target tokens in the loss-masked training data."""
     ttt_steps: int = 7
@@ -44,17 +45,62 @@ class DrafterConfig:
     hass_topk_weight: float = 1.0
 
 
+def default_aux_layers(n: int) -> list[int]:
+    """The low, mid and high layers of an n-layer target that SpecForge and vLLM fuse by default.
+
+    They name them as the *inputs* of layers (2, n//2, n-3): vLLM's `eagle_aux_hidden_state_layer_ids`,
+    the hidden state entering that layer, i.e. `output_hidden_states[i]`. draftsmith names the
+    *output* of a layer (`hidden.a` = output_hidden_states[a + 1]), so the same states are the outputs
+    of layers (2 - 1, n//2 - 1, n - 3 - 1) = (1, n//2 - 1, n - 4). Exports write both conventions
+    (models/export.py), so the engines tap exactly these.
+    """
+    return [1, n // 2 - 1, n - 4]
+
+
 def aux_layers(cfg: DrafterConfig, target_config) -> list[int]:
     n = target_config.num_hidden_layers
-    layers = list(cfg.aux_layers) if cfg.aux_layers else [2, n // 2, n - 3]
+    layers = list(cfg.aux_layers) if cfg.aux_layers else default_aux_layers(n)
     bad = [a for a in layers if not isinstance(a, int) or not 0 <= a < n]
     # In layer order: vLLM collects the tapped layers' states in layer order whatever order the config
     # lists them in, so a drafter that fused them in another order would silently get other features.
     # (A repeated id, which only tiny test targets need, fails loudly there: one state short.)
     if bad or len(layers) != 3 or layers != sorted(layers):
+        default = "" if cfg.aux_layers else f" (the default for {n} layers; set drafter.aux_layers for so shallow a target)"
         raise DraftsmithError(f"drafter.aux_layers: expected 3 layer ids in [0, {n - 1}], in increasing order, for "
-                              f"this target (vLLM concatenates them in layer order), got {layers}")
+                              f"this target (vLLM concatenates them in layer order), got {layers}{default}")
     return layers
+
+
+def exported_aux_layers(config: dict, target_config) -> list[int] | None:
+    """The aux layers (draftsmith's convention: layer outputs) an EAGLE-3 folder was trained on, from
+    its config.json: a draftsmith `final/` names them; an export says what the engines read (SGLang's
+    nested ids are layer outputs, vLLM's and speculators' top-level ids layer inputs); a published
+    head that names none was trained on the engines' default."""
+    if "draftsmith_format" in config:
+        ids = config["drafter_config"].get("aux_layers")
+        if ids is None and config["draftsmith_format"] < 2:  # saved before defaults were resolved into it
+            raise DraftsmithError("an EAGLE-3 final/ of draftsmith format 1 names no aux_layers: its default layers "
+                                  "were [2, L//2, L-3]; write them into drafter_config.aux_layers of its config.json")
+        return None if ids is None else list(ids)
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested is not None:
+        return list(nested)
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    return [i - 1 for i in top] if top is not None else default_aux_layers(target_config.num_hidden_layers)
+
+
+def from_init(cfg: DrafterConfig, init_config: dict, target_config) -> DrafterConfig:
+    """`init_from` an EAGLE-3 head: fine-tuning feeds it the layers it was trained on. A recipe that
+    names no aux layers takes the head's; one that names other layers is an error naming both."""
+    ids = exported_aux_layers(init_config, target_config)
+    if ids is None:
+        return cfg
+    if cfg.aux_layers and list(cfg.aux_layers) != ids:
+        raise DraftsmithError(f"drafter.aux_layers: the recipe names {list(cfg.aux_layers)} but the init_from head "
+                              f"was trained on layers {ids} (layer outputs); drop the key or use {ids}")
+    cfg = replace(cfg, aux_layers=ids)
+    aux_layers(cfg, target_config)  # ids outside this target's layers fail here
+    return cfg
 
 
 def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
@@ -128,7 +174,8 @@ def max_draft_depth(cfg: DrafterConfig) -> int | None:
 
 def build(cfg: DrafterConfig, target, dataset=None) -> Eagle3Drafter:
     tc = target.config
-    aux_layers(cfg, tc)
+    # The saved config names the exact layers, whatever the default is when it is read back.
+    cfg.aux_layers = aux_layers(cfg, tc)
     drafter = Eagle3Drafter(layer_config(tc), min(cfg.draft_vocab_size, tc.vocab_size), tc.vocab_size)
     if dataset is not None:
         ids = draft_vocab(dataset, tc.vocab_size, cfg.draft_vocab_size)
@@ -219,6 +266,7 @@ def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
 
 # The drafter is one module trained at optim.lr, and the target it reads stays frozen.
 param_groups, verifier = single_group, frozen_target
+# from_init (above): a fine-tune reads the aux layers of the head it starts from.
 
 
 # vLLM serves this family's `speculators` export as speculative method `eagle3` (eval/serve_check.py).

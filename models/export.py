@@ -29,12 +29,35 @@ FORMATS = {"eagle": ("vllm", "sglang"), "eagle3": ("sglang", "vllm", "speculator
 
 
 def _llama_dims(drafter) -> dict:
+    """The one-layer Llama config of a feature-space head, with the target's RoPE: its theta and its
+    scaling (Llama-3.1's `llama3`, YaRN, linear, ...), which the drafter trained with and the engine
+    must rebuild. Written in both spellings: `rope_theta` + `rope_scaling` (SGLang, transformers 4)
+    and `rope_parameters` (transformers 5, which vLLM 0.32 reads)."""
     c = drafter.config
+    rope = dict(c.rope_parameters)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     return {"model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
             "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "hidden_act": "silu",
-            "max_position_embeddings": c.max_position_embeddings, "rope_theta": c.rope_parameters.get("rope_theta"),
-            "rope_scaling": None, "num_hidden_layers": 1, "vocab_size": c.vocab_size}
+            "max_position_embeddings": c.max_position_embeddings, "rope_theta": rope.get("rope_theta"),
+            "rope_scaling": None if scaling.get("rope_type", "default") == "default" else scaling,
+            "rope_parameters": rope, "num_hidden_layers": 1, "vocab_size": c.vocab_size}
+
+
+def exported_layer_config(config: dict):
+    """The drafter layer config an engine rebuilds from an exported config.json alone (None for
+    exports without one: Medusa heads, plain causal LMs): what `import_export` builds the head with,
+    so `export --verify` catches a config that does not say what the weights were trained with."""
+    from transformers import LlamaConfig
+
+    dims = config.get("transformer_layer_config", config)  # speculators nests the layer's config
+    if dims.get("model_type") != "llama" or "hidden_size" not in dims:
+        return None
+    # transformers 5 reads rope_theta + rope_scaling into rope_parameters, as the engines do
+    keys = {k: v for k, v in dims.items() if k not in ("model_type", "rope_parameters", "architectures")}
+    layer = LlamaConfig(**keys)
+    layer._attn_implementation = "sdpa"
+    return layer
 
 
 def _eagle1(drafter, meta: dict) -> tuple[dict, dict]:
@@ -239,8 +262,34 @@ def import_export(path: str | Path, target):
     if info["drafter"] == "medusa":  # exported heads are plain Medusa heads; a Medusa-2 backbone is `backbone/`
         cfg.backbone = "frozen"
     drafter = module.build(cfg, target)
+    layer = exported_layer_config(config)
+    if layer is not None:
+        _rebuild_from(drafter, layer)
     drafter.load_state_dict(read_export(path, info["drafter"], target), strict=True)
     return module, cfg, drafter.to(param.device, param.dtype).eval()
+
+
+def _rebuild_from(drafter, layer) -> None:
+    """Give a head built from the target's config what the exported config says instead, for every
+    part not fixed by weight shapes (load_state_dict checks those): rotary embeddings (RoPE type,
+    theta, scaling) and norm epsilons."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+    for name, child in list(drafter.named_modules()):
+        if isinstance(child, LlamaRotaryEmbedding):
+            parent = drafter.get_submodule(name.rpartition(".")[0]) if "." in name else drafter
+            setattr(parent, name.rpartition(".")[2], LlamaRotaryEmbedding(layer).to(child.inv_freq.device))
+        elif isinstance(child, LlamaRMSNorm):
+            child.variance_epsilon = layer.rms_norm_eps
+    drafter.config = layer
+
+
+def read_config(path: str | Path) -> dict:
+    """The config.json of a drafter folder (`init_from`): a draftsmith final/ or any export."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DraftsmithError(f"init_from {path}: not a drafter folder (cannot read config.json: {e})") from None
 
 
 def init_weights(drafter, family: str, path: str | Path, target, allow_stale: bool = False) -> None:

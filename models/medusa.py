@@ -35,7 +35,7 @@ from torch import nn
 
 from draftsmith import DraftsmithError
 from draftsmith.models.drafts import Draft
-from draftsmith.models.common import draft_vocab, lora_config
+from draftsmith.models.common import draft_vocab, keep_config, lora_config
 from draftsmith.train.losses import forward_kl, soft_cross_entropy
 
 NAME = "medusa"
@@ -189,7 +189,10 @@ class Medusa2(nn.Module):
                 if "lora_dropout" in name and isinstance(m, nn.Dropout):  # adapters' dropout trains
                     m.train()
         else:
-            self.backbone = copy.deepcopy(target).requires_grad_(False)
+            # fp32 master weights whatever the target's dtype: AdamW's updates at Medusa-2's backbone
+            # learning rates (~1e-5 of a weight) are below bf16's resolution (2^-8 relative) and would
+            # mostly round away. bf16 autocast (accelerate) still runs the matmuls in bf16.
+            self.backbone = copy.deepcopy(target).float().requires_grad_(False)
             self.backbone.get_decoder().requires_grad_(True)
             self.backbone.get_input_embeddings().requires_grad_(False)  # tied to the lm_head in many targets
             object.__setattr__(self, "frozen", target)  # the original: not a submodule, never trained or saved
@@ -411,6 +414,7 @@ def verifier(drafter, target):
 
 # vLLM serves this family's `vllm` export as speculative method `medusa` (eval/serve_check.py).
 SERVE_FORMAT = "vllm"
+from_init = keep_config  # its config does not depend on the drafter it starts from
 
 
 def vllm_serving(export_dir, export_config: dict, k: int) -> tuple[dict, list[str]]:

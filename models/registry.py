@@ -25,7 +25,7 @@ DRAFTERS: dict[str, ModuleType] = {
 
 # What every family module provides (checked by the registry test).
 INTERFACE = ("NAME", "DrafterConfig", "feature_names", "max_draft_depth", "build", "rebuild", "param_groups",
-             "compute_loss", "make_proposer", "verifier", "SERVE_FORMAT", "vllm_serving")
+             "compute_loss", "make_proposer", "verifier", "SERVE_FORMAT", "vllm_serving", "from_init")
 
 
 def drafter_module(name: str, where: str = "drafter.type") -> ModuleType:

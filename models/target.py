@@ -56,20 +56,27 @@ def _embedded_gguf(alias: str) -> Path:
 
 
 def _dequantize_to_cache(gguf: Path, out: Path, sha256: str | None) -> Path:
-    """GGUF -> fp32 transformers model -> safetensors folder, written to a temp dir then renamed."""
-    if sha256 and _sha256(gguf) != sha256:
-        raise DraftsmithError(f"{gguf}: sha256 mismatch (expected {sha256[:12]}...); the file is corrupt")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # save_pretrained refuses GGUF-quantized models until the quantization config is dropped;
-    # the weights are already dequantized fp32 at this point.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.replace(out)
+    """GGUF -> fp32 transformers model -> safetensors folder, written to a temp dir then renamed.
+    Every rank of a launch may ask at once: a file lock lets one write it while the others wait
+    (a lock, not a collective, so no process-group timeout applies), then they find it there."""
+    from filelock import FileLock
+
+    with FileLock(str(out) + ".lock"):
+        if (out / "config.json").is_file():
+            return out
+        if sha256 and _sha256(gguf) != sha256:
+            raise DraftsmithError(f"{gguf}: sha256 mismatch (expected {sha256[:12]}...); the file is corrupt")
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # save_pretrained refuses GGUF-quantized models until the quantization config is dropped;
+        # the weights are already dequantized fp32 at this point.
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.replace(out)
     return out
 
 

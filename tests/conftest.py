@@ -24,7 +24,7 @@ def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedToken
     chars = sorted(set(string.printable))
     vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character, newlines too
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                   additional_special_tokens=SPECIALS[3:])
     tok.chat_template = chat_template
@@ -93,17 +93,23 @@ def pattern_chat(i: int) -> list[dict]:
     return [{"role": "user", "content": walk[:3]}, {"role": "assistant", "content": walk}]
 
 
-def save_pattern_target(path, steps: int = 160, layers: int = 4):
-    """A tiny Llama *trained* to answer `pattern_chat` prompts, so its greedy answers are varied and
+def save_pattern_target(path, steps: int = 160, layers: int = 4, arch: str | None = None, chat_template: str = CHAT_TEMPLATE):
+    """A tiny target *trained* to answer `pattern_chat` prompts, so its greedy answers are varied and
     learnable: a drafter of it has real acceptance, and a broken export visibly loses it (a random
     target repeats one token, where any drafter is accepted). Head dim 32: the smallest vLLM's CPU
-    attention takes. Its chat turns end in <|im_end|>, which generation stops at."""
-    tok = make_tokenizer()
+    attention takes. Its chat turns end in <|im_end|>, which generation stops at. `arch`: one of
+    REAL_ARCHS (that architecture's config at this size), else a plain tied Llama."""
+    from transformers import AutoModelForCausalLM
+
+    tok = make_tokenizer(arch_template(arch) if arch else chat_template)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
+    if arch:
+        cfg = arch_config(arch, len(tok), layers)
+    else:
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                          bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(cfg)
     seqs = torch.tensor([tok.apply_chat_template(pattern_chat(i), tokenize=True, return_dict=False) for i in range(130)])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(steps):
@@ -113,6 +119,40 @@ def save_pattern_target(path, steps: int = 160, layers: int = 4):
         opt.zero_grad()
     model.generation_config.eos_token_id = [2, tok.convert_tokens_to_ids("<|im_end|>")]
     model.eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+# Tiny random targets with the architectures users train on (models/known.py shrinks their real
+# configs), each with a test template that renders as that model's does (tests/templates.py):
+# Llama-3.1's llama3 RoPE scaling, untied, and its injected system header; Qwen3's q/k norm, tied as
+# its small models are, and its think block on the last assistant turn; Qwen2.5's q/k/v biases and
+# its default system prompt.
+REAL_ARCHS = {"llama3.1": ("meta-llama/Llama-3.1-8B-Instruct", {}, "LLAMA31_LIKE"),
+              "qwen3": ("Qwen/Qwen3-8B", {"tie_word_embeddings": True}, "QWEN3_LIKE"),
+              "qwen2.5": ("Qwen/Qwen2.5-7B-Instruct", {}, "QWEN25_LIKE")}
+
+
+def arch_template(arch: str) -> str:
+    from tests import templates
+
+    return getattr(templates, REAL_ARCHS[arch][2])
+
+
+def arch_config(arch: str, vocab: int, layers: int = 4):
+    from draftsmith.models.known import tiny_config
+
+    name, extra, _ = REAL_ARCHS[arch]
+    return tiny_config(name, vocab, layers=layers, **extra)
+
+
+def save_arch_target(path, arch: str, layers: int = 4, seed: int = 0):
+    """A tiny random target of `arch` (REAL_ARCHS) with the test tokenizer and its template, saved as a folder."""
+    from transformers import AutoModelForCausalLM
+
+    tok = make_tokenizer(arch_template(arch))
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(arch_config(arch, len(tok), layers)).eval().save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

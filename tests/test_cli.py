@@ -63,8 +63,15 @@ def test_bad_input_is_one_line_and_nonzero(args, message, capsys, monkeypatch):
 def test_malformed_jsonl_through_the_cli(tiny_target_dir, tmp_path, capsys):
     bad = tmp_path / "holdout.jsonl"
     bad.write_text('{"prompt": "a"}\n{"prompt": \n')
-    assert main(["eval", "--drafter", "none", "--target", str(tiny_target_dir), "--data", str(bad)]) == 1
-    assert "holdout.jsonl:2: malformed JSON line" in capsys.readouterr().err
+    # One bad line is skipped (counted, with its file:line) ...
+    assert main(["eval", "--drafter", "none", "--target", str(tiny_target_dir), "--data", str(bad),
+                 "--max-new-tokens", "4", "--out", str(tmp_path / "e")]) == 0
+    assert "skipped 1 of 2 malformed records" in capsys.readouterr().err
+    # ... and data with nothing valid in it is an error naming the first reason.
+    bad.write_text('{"prompt": \n{"nothing": 1}\n')
+    assert main(["eval", "--drafter", "none", "--target", str(tiny_target_dir), "--data", str(bad),
+                 "--out", str(tmp_path / "f")]) == 1
+    assert "holdout.jsonl:1: malformed JSON line" in capsys.readouterr().err
 
 
 def test_baselines_none_and_ngram(tiny_target_dir, chat_jsonl, tmp_path):

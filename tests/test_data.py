@@ -103,3 +103,117 @@ def test_domain_holdouts_ship_with_python_and_split_by_source():
         assert not {group(r) for r in train} & {group(r) for r in hold}, kind
         prompts = load_prompts(f"builtin:{kind}-holdout", 5)
         assert len(prompts) == 5 and all(word in p if isinstance(p, str) else word in p[0]["content"] for p in prompts)
+
+
+CHAT_NO_SYSTEM = CHAT[1:]
+
+
+def _write_jsonl(path, rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_split_of_a_dataset_folder(tmp_path):
+    """Files named like the hub's (data/SPLIT-00000-of-00001.*) give a folder its splits; a chat
+    dataset such as ultrachat_200k has train_sft / test_sft and no `train`."""
+    from draftsmith.data.load import load_prompts
+
+    folder = tmp_path / "ultrachat"
+    (folder / "data").mkdir(parents=True)
+    def chat(i):
+        return {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+
+    train, test = [chat(i) for i in range(5)], [chat(9)]
+    _write_jsonl(folder / "data" / "train_sft-00000-of-00001.jsonl", train)
+    _write_jsonl(folder / "data" / "test_sft-00000-of-00001.jsonl", test)
+    assert read_records(str(folder), split="test_sft") == test
+    ds = build_dataset(str(folder), make_tokenizer(), 128, split="train_sft")
+    assert sorted(ds["idx"]) == list(range(5))
+    assert load_prompts(str(folder), split="test_sft") == [[{"role": "user", "content": "q9"}]]
+    with pytest.raises(DraftsmithError, match=r"ultrachat: no split 'train' \(data.split / data.holdout_split\); "
+                                              r"its splits are (test_sft, train_sft|train_sft, test_sft)$"):
+        read_records(str(folder))
+    # A single file holds one split: the split asked for is ignored (so a jsonl holdout serves any holdout_split).
+    assert read_records(_write_jsonl(tmp_path / "t.jsonl", test), split="test_sft") == test
+
+
+def test_malformed_records_are_skipped_with_a_count_or_stop_the_build(tmp_path, capsys):
+    from draftsmith.data.load import load_prompts
+
+    good = {"messages": CHAT}
+    path = _write_jsonl(tmp_path / "chat.jsonl", [
+        good, good, '{"messages": oops}', good,
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"}]},
+        {"messages": "hello"}, {"question": "x"}, good])
+    ds = build_dataset(path, make_tokenizer(), 128)
+    assert sorted(ds["idx"]) == [0, 1, 3, 7]  # record numbers, kept through the skips
+    lines = [line for line in capsys.readouterr().err.splitlines() if "malformed" in line]  # not progress bars
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"{path}: skipped 4 of 8 malformed records ({path}:3: malformed JSON line")
+    assert f"; {path}:5: ShareGPT turn needs 'from' and 'value' strings, got {{'from': 'gpt'}}; " in lines[0]
+    assert f"; {path}:6: 'messages' must be a non-empty list of {{role, content}} strings, got 'hello')" in lines[0]
+    assert ":7:" not in lines[0]  # the first 3 reasons only
+    assert len(load_prompts(path)) == 4
+    for build in (lambda: build_dataset(path, make_tokenizer(), 128, malformed="error"),
+                  lambda: load_prompts(path, malformed="error")):
+        with pytest.raises(DraftsmithError, match=rf"^{path}:3: malformed JSON line"):
+            build()
+    with pytest.raises(DraftsmithError, match=r"bad.jsonl: all 2 records are malformed \(.*bad.jsonl:1: .*bad.jsonl:2: "):
+        build_dataset(_write_jsonl(tmp_path / "bad.jsonl", ["[1]", {"messages": []}]), make_tokenizer(), 128)
+
+
+def test_malformed_dataset_records_are_named_by_record_number(tmp_path, capsys):
+    """A json file mixing shapes loads with every key in every row (None where absent)."""
+    (tmp_path / "d.json").write_text(json.dumps([{"prompt": "a", "completion": "bcd"}, {"question": "x"}]))
+    ds = build_dataset(str(tmp_path / "d.json"), make_tokenizer(), 128)
+    assert ds["idx"] == [0]
+    assert f"{tmp_path / 'd.json'}: record 1: expected one of 'messages'" in capsys.readouterr().err
+
+
+def test_qwen3_like_multi_turn_is_refused_and_single_turn_kept(tmp_path, capsys):
+    """Qwen3 adds its empty think block to the last assistant turn only: rendered alone, turn 2 ends
+    differently than inside the whole conversation, so prefix spans would be wrong."""
+    from tests.templates import QWEN3_LIKE
+
+    tok = make_tokenizer(QWEN3_LIKE)
+    with pytest.raises(DraftsmithError, match=r"^t: the chat template renders turn 2 \(assistant\) differently once "
+                                              r"later turns follow, .*\{% generation %\} markers avoids this$"):
+        tokenize_example(tok, CHAT, 512, "t")
+    single = tokenize_example(tok, CHAT[:3], 512, "t")
+    # Compared as ids: the test tokenizer has no token for "\n\n" (its unknown token stands in).
+    trained = [t for t, m in zip(single["input_ids"], single["loss_mask"]) if m]
+    assert trained == tok.encode("<think>\n\n</think>\n\nhello!<|im_end|>\n", add_special_tokens=False)
+    path = _write_jsonl(tmp_path / "q.jsonl", [{"messages": CHAT}, {"messages": CHAT[:3]}])
+    assert build_dataset(path, tok, 512)["idx"] == [1]
+    assert f"skipped 1 of 2 malformed records ({path}:1: the chat template renders turn 2" in capsys.readouterr().err
+
+
+def test_generation_markers_mask_exactly_the_assistant_tokens():
+    from draftsmith.data.load import mask_method
+    from tests.templates import GENERATION_MARKED
+
+    tok = make_tokenizer(GENERATION_MARKED)
+    ex = tokenize_example(tok, CHAT, 512, "t")
+    assert mask_method(tok) == "generation markers"
+    assert _masked_text(tok, ex) == "hello!<|im_end|>ok<|im_end|>"
+    last = tok.encode("<think>\n\n</think>\n\nok<|im_end|>\n", add_special_tokens=False)  # the think block, unmasked
+    assert ex["input_ids"][-len(last):] == last and ex["loss_mask"][-len(last):] == [0] * (len(last) - 4) + [1] * 3 + [0]
+    assert tokenize_example(tok, CHAT, 20, "t")["loss_mask"] == ex["loss_mask"][:20]
+
+
+@pytest.mark.parametrize("template, masked", [
+    ("QWEN25_LIKE", "hello!<|im_end|>\nok<|im_end|>\n"),
+    ("LLAMA31_LIKE", "hello!<|im_end|>ok<|im_end|>"),
+])
+def test_injected_system_headers_keep_prefix_masks_exact(template, masked):
+    """A system header the template adds to every rendering (Qwen2.5's default prompt, Llama-3.1's
+    knowledge-date lines) is stable across prefixes, so prefix rendering stays exact."""
+    from draftsmith.data.load import mask_method
+    from tests import templates
+
+    tok = make_tokenizer(getattr(templates, template))
+    ex = tokenize_example(tok, CHAT_NO_SYSTEM, 512, "t")
+    assert mask_method(tok) == "prefix rendering"
+    assert _masked_text(tok, ex) == masked
+    injected = "YouareQwen" if template == "QWEN25_LIKE" else "CuttingKnowledgeDate"
+    assert injected in tok.decode(ex["input_ids"]).replace(" ", "")

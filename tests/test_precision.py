@@ -105,3 +105,48 @@ def test_hardware_record_names_the_cpu(hw):
     info = precision.hardware("cpu")
     assert info["device"] == "cpu" and info["native_bf16"] is False and info["threads"] >= 1
     assert info["device_name"] and "no native bf16" in precision.describe(info)
+
+
+@pytest.mark.parametrize("family, cfg", [
+    ("distill", {"num_layers": 1}),  # a full-weight student
+    ("medusa", {"num_heads": 2, "backbone": "full", "backbone_lr": 2e-5}),  # Medusa-2 training a copy of the target
+])
+def test_a_bf16_autocast_step_at_lr_2e5_changes_full_weights_as_an_fp32_step_does(tiny_target_dir, chat_jsonl, family, cfg):
+    """GPU recipes train on a bf16 target under bf16 autocast. Trainable full weights are fp32 masters,
+    so AdamW's first step (about lr x sign(grad) per weight) lands as in fp32; on bf16 weights most
+    of it would round away (checked below on the same update)."""
+    from draftsmith.data.batching import build_dataset, collate
+    from draftsmith.data.features import target_features
+    from draftsmith.models.registry import drafter_module
+    from draftsmith.models.target import load_target
+
+    module = drafter_module(family)
+    dcfg = module.DrafterConfig(**cfg)
+
+    def one_step(dtype: str):
+        target, tok = load_target(str(tiny_target_dir), dtype)
+        ds = build_dataset(str(chat_jsonl), tok, 48)
+        torch.manual_seed(0)
+        drafter = module.build(dcfg, target, ds)
+        params = {n: p for n, p in drafter.named_parameters() if p.requires_grad and "heads." not in n}
+        before = {n: p.detach().clone() for n, p in params.items()}
+        batch = collate([ds[i] for i in range(4)], tok.pad_token_id)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            feats = target_features(target, batch, module.feature_names(dcfg, target.config))
+            loss, n, _ = module.compute_loss(drafter, target, batch, feats, dcfg)
+        (loss / n).backward()
+        torch.optim.AdamW(params.values(), lr=2e-5, weight_decay=0.0).step()
+        assert all(p.dtype == torch.float32 for p in params.values())  # fp32 masters on a bf16 target too
+        return {k: (params[k].detach() - before[k]).flatten() for k in params}, before
+
+    fp32, _ = one_step("float32")
+    bf16, weights = one_step("bfloat16")
+    d32, d16 = torch.cat(list(fp32.values())), torch.cat(list(bf16.values()))
+    moved = d32 != 0
+    assert moved.float().mean() > 0.95 and (d16 != 0).float().mean() > 0.95
+    assert ((d16[moved] * d32[moved]) > 0).float().mean() > 0.9  # the same direction almost everywhere
+    assert torch.allclose(d16.abs().mean(), d32.abs().mean(), rtol=0.05)
+    # What bf16 weights would keep of the same update: most of it rounds away.
+    w = torch.cat([v.flatten() for v in weights.values()])
+    kept = (w.bfloat16() + d16.bfloat16()).float() != w.bfloat16().float()
+    assert kept.float().mean() < 0.5

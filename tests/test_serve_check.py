@@ -348,3 +348,31 @@ def test_regeneration_bench_prints_both_engines_and_their_agreement(pattern, tmp
     assert result["prompts"] == 6 and result["hf"]["answers_per_s"] > 0 and result["vllm"]["answers_per_s"] > 0
     assert result["agreement"] == {"identical_answers": 6, "answers": 6, "token_agreement": 1.0}  # fp32: the same answers
     assert "greedy agreement (float32): 6/6" in capsys.readouterr().out
+
+
+# --- real architectures in vLLM (marker vllm_families: two servers per check) ------------------------
+
+@pytest.mark.vllm_families
+@needs_vllm
+@pytest.mark.parametrize("family", ["eagle3", "eagle", "distill"])
+@pytest.mark.parametrize("arch", ["llama3.1", "qwen3", "qwen2.5"])
+def test_real_architecture_exports_served_by_vllm_match_draftsmith(tmp_path, arch, family):
+    """A tiny target of each real architecture (llama3 RoPE scaling, q/k norm, q/k/v biases, their
+    templates) trained to answer the walk; a drafter trained on its own regenerated answers; vLLM
+    rebuilds the export from its config alone, and serves it with outputs identical and τ equal."""
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+    from tests.conftest import save_pattern_target, write_pattern_chats
+    from tests.test_train import _overrides
+
+    target = save_pattern_target(tmp_path / "target", arch=arch)
+    data, holdout = write_pattern_chats(tmp_path / "train.jsonl", range(130)), write_pattern_chats(tmp_path / "h.jsonl", range(200, 212))
+    final = train(load_config(None, _overrides(target, data, tmp_path / family, **{
+        "data.regenerate": True, "data.max_length": 160, "optim.max_steps": 80, "optim.lr": 3e-3,
+        "optim.batch_size": 8, "log_every": 40, **FAMILIES[family]}))) / "final"
+    r = serve_check(final, holdout, tmp_path / "sc", num_prompts=12, max_new_tokens=40, k=3)
+    assert r["loaded"] and r["passed"], r.get("why")
+    assert r["identical_to_target_only"] and r["identical_to_draftsmith"]
+    assert r["draftsmith_tau"] > 1.3 and r["tau_rel_diff"] <= r["tau_tolerance"]
+    print(f"{arch} {family}: vLLM τ {r['vllm_tau']:.3f}, draftsmith τ {r['draftsmith_tau']:.3f}, "
+          f"identical {r['prompts_identical_to_draftsmith']}/12")

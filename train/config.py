@@ -18,6 +18,13 @@ class DataConfig:
     """Training data: a jsonl/json/parquet path, a `datasets` name, or `builtin:code` / `builtin:prose`."""
     holdout: str = "builtin:code-holdout"
     """Domain holdout used by the eval stage (prompts only are used)."""
+    split: str = "train"
+    """Split of a `datasets` hub dataset or parquet/json folder to train on (e.g. ultrachat_200k's `train_sft`)."""
+    holdout_split: str = ""
+    """Split of the holdout (e.g. `test_sft`); empty = `split`."""
+    malformed: str = "skip"
+    """A record that is not a valid conversation: `skip` it (counted, the first reasons printed with
+    file:line) or `error` (stop at the first)."""
     regenerate: bool = False
     """Replace responses with the target's own answers before training (self-distillation)."""
     regenerate_max_new_tokens: int = 128
@@ -46,6 +53,8 @@ class DataConfig:
     num_proc: int = 1
 
     def __post_init__(self):
+        if self.malformed not in ("skip", "error"):
+            raise DraftsmithError(f"data.malformed: expected skip or error, got {self.malformed!r}")
         if self.regenerate_engine not in ("hf", "vllm"):
             raise DraftsmithError(f"data.regenerate_engine: expected hf or vllm, got {self.regenerate_engine!r}")
         if self.regenerate_engine == "hf" and (self.regenerate_server or self.regenerate_temperature or self.regenerate_vllm_args):
@@ -137,6 +146,9 @@ class Config:
     CPUs; `accelerate launch --config_file recipes/accelerate/zero3.yaml` (launch.sh --preset zero3)
     names it through accelerate instead. Its `auto` batch, accumulation and clipping values are
     filled from `optim.*`; numbers that differ from them are an error. Empty = DDP."""
+    dist_timeout_minutes: float = 60.0
+    """Process-group timeout of a multi-process run: how long a rank waits in a collective (all-reduce,
+    barrier) before the run fails. Rank-0-only work never runs inside one (train/loop.py)."""
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -186,6 +198,7 @@ def _validate(cfg: Config, where: str) -> None:
         (cfg.optim.grad_accum >= 1, "optim.grad_accum", "an integer >= 1"),
         (cfg.eval.k >= 1, "eval.k", "an integer >= 1"),
         (cfg.data.max_length >= 8, "data.max_length", "an integer >= 8"),
+        (cfg.dist_timeout_minutes > 0, "dist_timeout_minutes", "a number of minutes > 0"),
     ]
     for ok, key, expected in checks:
         if not ok:

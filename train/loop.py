@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import asdict
+from datetime import timedelta
 from contextlib import contextmanager, nullcontext
 import math
 import resource
@@ -29,9 +31,10 @@ from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import build_dataset, collate, epoch_batches
 from draftsmith.data.features import FeatureCache, target_features, write_cache
-from draftsmith.models.export import init_weights
+from draftsmith.models.export import init_weights, read_config
 from draftsmith.models.registry import drafter_module, load_drafter, target_to_load_on
-from draftsmith.data.regenerate import cached_regeneration
+from draftsmith.data.regenerate import cached_regeneration, regeneration_path
+from draftsmith.data.sharding import Shard
 # Imported with the loop, not at the eval stage: the eval runs the code the training run started with.
 from draftsmith.eval.report import format_table, write_before_after
 from draftsmith.eval.run import evaluate_drafter
@@ -92,37 +95,26 @@ def train(cfg: Config) -> Path:
     # --- target (frozen) and data -------------------------------------------------------------
     phases, t_phase = {}, time.perf_counter()  # wall seconds per phase, printed and saved at the end
     module, dcfg = drafter_module(cfg.drafter["type"]), drafter_config(cfg)
-    # rank 0 dequantizes/caches the embedded target first. Under ZeRO-3 and FSDP it is loaded whole
-    # into CPU RAM and sharded onto the devices after the drafter is prepared: a 70B target does not
-    # fit one GPU. It runs on the GPU until then (regeneration, the feature cache) when it fits there.
+    # Every rank loads the target (a file lock guards the embedded target's one-time dequantization).
+    # Under ZeRO-3 and FSDP it is loaded whole into CPU RAM and sharded onto the devices after the
+    # drafter is prepared: a 70B target does not fit one GPU. It runs on the GPU until then
+    # (regeneration, the feature cache) when it fits there.
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     sharded_target = zero == 3 or fsdp
-    with accelerator.main_process_first(), whole_weights(accelerator):
+    with whole_weights(accelerator):
         target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir, "cpu" if sharded_target else accelerator.device)
-        if sharded_target and fits_whole(target, accelerator.device):
-            target.to(accelerator.device)
-        ensure_pad(tok)
-        fp = fingerprint(target)
-        # The target tensors this family trains on; none for families that compute them with
-        # gradients from a backbone they train (Medusa-2).
-        names = module.feature_names(dcfg, target.config)
-        train_data, cache = cfg.data.train, cfg.data.offline_features
-        if cfg.data.regenerate:  # self-distillation: train on the target's own answers
-            # With offline features, the pass that answers the prompts also caches their features.
-            train_data, regen_cache = cached_regeneration(
-                target, tok, cfg.data.train, fp, cache_root(cfg.cache_dir), cfg.data.max_examples,
-                cfg.data.regenerate_max_new_tokens, cfg.data.regenerate_batch_size, names if cache == "auto" else (),
-                cfg.data.vllm_options(cfg.target, cfg.target_dtype, cfg.cache_dir))
-            train_data, cache = str(train_data), regen_cache or cache
-        ds = build_dataset(train_data, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc)
-        if not names:
-            cache = ""
-        if cache == "auto":  # compute the cache once per (target, data, length), reuse it for every epoch and run
-            dtype = str(next(target.parameters()).dtype)
-            key = json.dumps([fp, train_data, cfg.data.max_length, cfg.data.max_examples, list(names), dtype])
-            cache = cache_root(cfg.cache_dir) / "features" / hashlib.sha256(key.encode()).hexdigest()[:16]
-            if accelerator.is_main_process and not (cache / "index.json").is_file():
-                write_cache(target, ds, names, cache, fp, tok.pad_token_id)
+    if sharded_target and fits_whole(target, accelerator.device):
+        target.to(accelerator.device)
+    ensure_pad(tok)
+    fp = fingerprint(target)
+    if cfg.init_from:  # e.g. an EAGLE-3 head's aux layers come from the head it starts from
+        dcfg = module.from_init(dcfg, read_config(cfg.init_from), target.config)
+    # The target tensors this family trains on; none for families that compute them with gradients
+    # from a backbone they train (Medusa-2).
+    names = module.feature_names(dcfg, target.config)
+    # Regeneration and feature caching are split over the ranks (data/sharding.py): no rank waits in
+    # a collective while another works alone.
+    ds, cache = training_data(cfg, target, tok, fp, names, Shard(rank, world, accelerator.wait_for_everyone))
     if cache:
         features = FeatureCache(cache, names, fp)
     else:
@@ -237,14 +229,20 @@ def train(cfg: Config) -> Path:
              "processes": world, "zero_stage": zero}
     checkpoint.save(accelerator, run_dir, step, state, cfg.keep_last)
     final = run_dir / "final"
-    meta = {"drafter": module.NAME, "drafter_config": dict(cfg.drafter), "target": cfg.target,
+    # The family's config with every default resolved (build may fill some in from the target).
+    meta = {"drafter": module.NAME, "drafter_config": {"type": module.NAME, **asdict(dcfg)}, "target": cfg.target,
             "target_fingerprint": fp, "steps": step, "train_data": cfg.data.train,
             "train_seconds": round(time.perf_counter() - t_start, 1), "processes": world,
             # ru_maxrss is in KiB on Linux: this rank's peak, target and data included.
             "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
     checkpoint.save_final(accelerator, drafter, final, meta)  # every rank takes part under DeepSpeed
     print0(f"saved drafter to {final}")
-    if cfg.eval.enabled and accelerator.is_main_process:
+    if not accelerator.is_main_process:
+        # The eval stage runs on rank 0 alone: the other ranks leave now instead of waiting in a
+        # barrier for as long as it takes (which a process-group timeout would fail).
+        accelerator.end_training()
+        return run_dir
+    if cfg.eval.enabled:
         with whole_weights(accelerator):
             # Under ZeRO-3 and FSDP this rank holds a shard of the target: load it whole. Under
             # DeepSpeed and FSDP the drafter is sharded (or bf16 copies of fp32 masters): evaluate final/.
@@ -255,7 +253,8 @@ def train(cfg: Config) -> Path:
         param = next(target.parameters())
         drafter = drafter.to(param.dtype).eval()
         kwargs = dict(k=cfg.eval.k, num_prompts=cfg.eval.num_prompts, max_new_tokens=cfg.eval.max_new_tokens,
-                      target_name=cfg.target, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, tree=cfg.eval.tree)
+                      target_name=cfg.target, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, tree=cfg.eval.tree,
+                      split=cfg.data.holdout_split or cfg.data.split)
         report = evaluate_drafter(module, drafter, dcfg, target, tok, cfg.data.holdout, run_dir / "eval", **kwargs)
         print0(format_table([report]))
         if init_state is not None:  # fine-tuned: the init's τ and ours, on the domain and the general holdout
@@ -266,12 +265,45 @@ def train(cfg: Config) -> Path:
             rows += [("before", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, **kwargs)) for h in holdouts]
             print0(write_before_after(rows, run_dir / "eval"))
         phases["eval"] = time.perf_counter() - t_phase
-    if accelerator.is_main_process:
-        (run_dir / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in phases.items()}, indent=1))
-        print0("wall time: " + " | ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items()))
-    accelerator.wait_for_everyone()
+    (run_dir / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in phases.items()}, indent=1))
+    print0("wall time: " + " | ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items()))
     accelerator.end_training()  # also tears down the process group, so it comes last
     return run_dir
+
+
+def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], shard: Shard):
+    """The tokenized training set and its feature cache folder (or None: features computed online).
+
+    `data.regenerate`: the target answers the prompts first (self-distillation); with offline
+    features the same pass caches them. Each rank answers and caches its share (`shard`); answers
+    from a vLLM server are fetched by rank 0 alone, while the others wait for the file, not in a
+    collective. Every rank then tokenizes the same records itself (in memory, seconds)."""
+    train_data, cache = cfg.data.train, cfg.data.offline_features
+    if cfg.data.regenerate:
+        vllm = cfg.data.vllm_options(cfg.target, cfg.target_dtype, cfg.cache_dir)
+        args = (target, tok, cfg.data.train, fp, cache_root(cfg.cache_dir), cfg.data.max_examples,
+                cfg.data.regenerate_max_new_tokens, cfg.data.regenerate_batch_size, names if cache == "auto" else ())
+        which = dict(split=cfg.data.split, malformed=cfg.data.malformed)
+        if vllm and not shard.main:
+            out, regen_cache = regeneration_path(*args, vllm=vllm, **which), None
+            shard.wait_for(out)
+        else:
+            out, regen_cache = cached_regeneration(*args, vllm=vllm, shard=Shard() if vllm else shard, **which)
+        train_data, cache = str(out), regen_cache or cache
+    # Regenerated records are one file: its split is the only one.
+    split = "train" if cfg.data.regenerate else cfg.data.split
+    ds = build_dataset(train_data, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc, split,
+                       cfg.data.malformed)
+    if not names:
+        return ds, None
+    if cache == "auto":  # computed once per (target, data, length), reused by every epoch and run
+        dtype = str(next(target.parameters()).dtype)
+        key = json.dumps([fp, train_data, cfg.data.max_length, cfg.data.max_examples, list(names), dtype]
+                         + ([split] if split != "train" else []))
+        cache = cache_root(cfg.cache_dir) / "features" / hashlib.sha256(key.encode()).hexdigest()[:16]
+        if not (cache / "index.json").is_file():
+            write_cache(target, ds, names, cache, fp, tok.pad_token_id, shard=shard)
+    return ds, cache or None
 
 
 # --- DeepSpeed ------------------------------------------------------------------------------------
@@ -281,8 +313,12 @@ def train(cfg: Config) -> Path:
 
 def make_accelerator(cfg: Config) -> Accelerator:
     """The Accelerator for this launch: DDP / one process, or DeepSpeed."""
+    # How long a rank may wait in one collective before the run fails (torch's default is 10 min for
+    # NCCL, 30 for gloo): the recipe's, since long phases never sit inside one (data/sharding.py).
+    timeout = timedelta(minutes=cfg.dist_timeout_minutes)
     kwargs = dict(mixed_precision=ACCELERATE[cfg.optim.mixed_precision], project_dir=str(cfg.run_dir),
-                  log_with=None if cfg.tracker == "none" else cfg.tracker)
+                  log_with=None if cfg.tracker == "none" else cfg.tracker,
+                  kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
     use_ds = bool(cfg.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     if cfg.deepspeed:
         # zero3_init_flag=False: the target is loaded whole and sharded explicitly (shard_target).
@@ -297,7 +333,7 @@ def make_accelerator(cfg: Config) -> Accelerator:
         if "LOCAL_RANK" not in os.environ:
             raise DraftsmithError("DeepSpeed without CUDA needs a distributed launcher: torchrun --nproc_per_node N "
                                   "-m draftsmith.cli train ... (or launch.sh --preset zero3 --cpu-procs N)")
-        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
         cpu = False
     if cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         # accelerate enables FSDP only on accelerators and otherwise prepares bare modules: every rank

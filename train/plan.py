@@ -17,23 +17,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from draftsmith import DraftsmithError
+from draftsmith.models.common import lora_config
+from draftsmith.models.known import KNOWN_CONFIGS, known_config
 from draftsmith.models.registry import drafter_module
 from draftsmith.models.target import resolve_target
 from draftsmith.train import precision
 from draftsmith.train.config import Config, drafter_config
 
-# Configs of common targets, so a plan needs no hub access (what their config.json says).
-KNOWN_TARGETS = {
-    "meta-llama/Llama-3.1-8B-Instruct": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                             num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
-    "meta-llama/Llama-3.1-70B-Instruct": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                              num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
-    "lmsys/vicuna-7b-v1.3": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
-}
 # Which of (target weights, drafter weights, gradients, optimizer state) each preset shards over the
 # ranks, and which it moves to CPU RAM. ZeRO-3 shards the frozen target too (train/loop.py
 # `shard_target`, an optimizer-less DeepSpeed engine), and so does FSDP (`fsdp_shard_target`, FSDP2).
@@ -54,14 +47,35 @@ def target_bytes(cfg: Config) -> int:
     return 4 if precision.canonical(cfg.target_dtype, "target_dtype") == "float32" else 2
 
 
-def target_config(name: str, cache_dir: str = ""):
-    if name in KNOWN_TARGETS:
-        return LlamaConfig(**KNOWN_TARGETS[name], tie_word_embeddings=False)
+def model_config(name: str, cache_dir: str = "", what: str = "target"):
+    """The config of a target or a distill student (`what` names it in the error): the published one
+    for the models of models/known.py, so every GPU recipe plans offline, else its config.json."""
+    known = known_config(name)
+    if known is not None:
+        return known
     try:
         return AutoConfig.from_pretrained(resolve_target(name, cache_dir))
     except OSError as e:
-        raise DraftsmithError(f"plan: cannot read the config of target '{name}' ({str(e).splitlines()[0]}); "
-                              f"known offline: {', '.join(KNOWN_TARGETS)}") from None
+        raise DraftsmithError(f"plan: cannot read the config of {what} '{name}' ({str(e).splitlines()[0]}); "
+                              f"known offline: {', '.join(KNOWN_CONFIGS)}") from None
+
+
+def target_config(name: str, cache_dir: str = ""):
+    return model_config(name, cache_dir, "target")
+
+
+def build_drafter(module, dcfg, target, cache_dir: str = ""):
+    """The drafter as module.build makes it, on the meta device. A distill student named by id or
+    folder is the exception: its build downloads the student's weights and tokenizer, so here it is
+    made from its config alone, with the LoRA adapters its build would add."""
+    if module.NAME != "distill" or dcfg.init == "truncate":
+        return module.build(dcfg, target)
+    student = AutoModelForCausalLM.from_config(model_config(dcfg.init, cache_dir, "drafter.init")).requires_grad_(True)
+    if dcfg.lora_rank:
+        from peft import get_peft_model
+
+        student = get_peft_model(student, lora_config(dcfg, student))
+    return student
 
 
 @dataclass
@@ -77,7 +91,7 @@ def sizes(cfg: Config, tc) -> Sizes:
     module, dcfg = drafter_module(cfg.drafter["type"]), drafter_config(cfg)
     with torch.device("meta"):
         target = AutoModelForCausalLM.from_config(tc).requires_grad_(False)
-        drafter = module.build(dcfg, target)
+        drafter = build_drafter(module, dcfg, target, cfg.cache_dir)
     target_ids = {id(p) for p in target.parameters()}
     own = [p for p in drafter.parameters() if id(p) not in target_ids]
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
@@ -108,10 +122,10 @@ def sizes(cfg: Config, tc) -> Sizes:
         act = n * heads * (f * 3 * vd + e * 8 * H) + n * f * V
         if d.get("backbone", "frozen") != "frozen":  # the backbone's own logits and its KL to the original:
             act += n * tc.num_hidden_layers * layer + n * f * 7 * V  # gradients flow through every layer
-    else:  # distill: the student's layers; its logits, their log-softmax and the divergence's terms, the teacher's
-        student_layers = d.get("num_layers", tc.num_hidden_layers) if d.get("init", "truncate") == "truncate" \
-            else drafter.config.num_hidden_layers
-        act = n * student_layers * layer + n * f * 7 * V
+    else:  # distill: the student's layers, at its own width (a hub student is narrower than the target);
+        # its logits, their log-softmax and the divergence's terms, the teacher's
+        sc = drafter.config
+        act = n * sc.num_hidden_layers * e * (10 * sc.hidden_size + 4 * sc.intermediate_size) + n * f * 7 * V
     act += n * b_t * feat_dims  # the target's features the family reads (online or from the cache)
     return Sizes(sum(p.numel() for p in target.parameters()), sum(p.numel() for p in own), trainable, act,
                  feat_dims * b_t)

@@ -1,0 +1,133 @@
+"""Every family on tiny targets of the architectures users train on (tests/conftest.py REAL_ARCHS:
+Llama-3.1 with llama3 RoPE scaling, Qwen3 with q/k norm, Qwen2.5 with q/k/v biases): training,
+a lossless eval, exports that carry the target's RoPE and rebuild from their config alone."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.eval.publish import verify_export
+from draftsmith.models import eagle3
+from draftsmith.models.export import export
+from draftsmith.models.registry import drafter_module
+from draftsmith.models.target import load_target
+from draftsmith.train.config import load_config
+from draftsmith.train.loop import train
+from tests.conftest import REAL_ARCHS, save_arch_target, write_pattern_chats
+
+FAMILIES = {
+    "eagle": {"drafter.type": "eagle"},
+    "eagle3": {"drafter.type": "eagle3", "drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60,
+               "drafter.ttt_steps": 2},
+    "medusa": {"drafter.type": "medusa", "drafter.num_heads": 2},
+    "distill": {"drafter.type": "distill", "drafter.num_layers": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def arch_targets(tmp_path_factory):
+    return {arch: save_arch_target(tmp_path_factory.mktemp(arch), arch) for arch in REAL_ARCHS}
+
+
+def _train(target_dir, data, out, family: dict, **extra):
+    base = {"target": str(target_dir), "output_dir": str(out), "run": "r", "data.train": data, "data.holdout": data,
+            "data.max_length": 160, "optim.batch_size": 4, "optim.max_steps": 3, "optim.warmup_steps": 1,
+            "optim.lr": 1e-3, "log_every": 1, "eval.num_prompts": 2, "eval.max_new_tokens": 10, "eval.k": 2,
+            **family, **extra}
+    return train(load_config(None, [f"{k}={json.dumps(v) if isinstance(v, list) or v is None else v}" for k, v in base.items()]))
+
+
+def _ropes(out) -> list[dict]:
+    """The RoPE an engine builds from an exported config.json: from the legacy keys (rope_theta +
+    rope_scaling, what SGLang and transformers 4 read) and from rope_parameters (transformers 5)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    config = json.loads((out / "config.json").read_text())
+    dims = config.get("transformer_layer_config", config)
+    if "rope_scaling" not in dims:  # a plain transformers folder (a student): transformers' own format
+        return [dict(AutoConfig.from_pretrained(out).rope_parameters)]
+    legacy = {k: v for k, v in dims.items() if k not in ("model_type", "architectures", "rope_parameters")}
+    return [dict(LlamaConfig(**legacy).rope_parameters), dims["rope_parameters"]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("arch", REAL_ARCHS)
+def test_every_family_trains_evaluates_losslessly_and_exports_with_the_targets_rope(arch_targets, tmp_path, arch, family):
+    data = write_pattern_chats(tmp_path / "chats.jsonl", range(24))
+    run = _train(arch_targets[arch], data, tmp_path, FAMILIES[family])
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["lossless"] is True and report["new_tokens"] > 0
+    target, tok = load_target(str(arch_targets[arch]), "float32")
+    module = drafter_module(FAMILIES[family]["drafter.type"])
+    out = export(run / "final", target, module.SERVE_FORMAT, tmp_path / "export", tok=tok)
+    if family != "medusa":  # Medusa heads are MLPs over the last hidden state: no attention, no RoPE
+        assert _ropes(out) and all(r == dict(target.config.rope_parameters) for r in _ropes(out))
+    parity = verify_export(run / "final", out, target, tok, data, k=2, prompts=2, max_new_tokens=12)
+    assert parity["passed"], parity
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "sglang"])
+def test_a_llama31_head_exported_without_its_rope_scaling_fails_verify(arch_targets, tmp_path, fmt):
+    """What exports wrote before: the layer config without `llama3` scaling. Rebuilt from that config
+    alone, the head's logits differ from the trained head's, and `export --verify` says so."""
+    data = write_pattern_chats(tmp_path / "chats.jsonl", range(24))
+    run = _train(arch_targets["llama3.1"], data, tmp_path, FAMILIES["eagle3"], **{"eval.enabled": False})
+    target, tok = load_target(str(arch_targets["llama3.1"]), "float32")
+    out = export(run / "final", target, fmt, tmp_path / "export", tok=tok)
+    good = verify_export(run / "final", out, target, tok, data, k=3, prompts=3, max_new_tokens=24)
+    assert good["passed"] and good["max_abs_logit_diff"] < 1e-4, good
+    config = json.loads((out / "config.json").read_text())
+    dims = config.get("transformer_layer_config", config)
+    dims["rope_scaling"], dims["rope_parameters"] = None, {"rope_type": "default", "rope_theta": dims["rope_theta"]}
+    (out / "config.json").write_text(json.dumps(config))
+    bad = verify_export(run / "final", out, target, tok, data, k=3, prompts=3, max_new_tokens=24)
+    assert not bad["passed"] and bad["max_abs_logit_diff"] > 1e-2, bad
+
+
+def test_eagle3_default_aux_layers_are_the_engines_and_exports_name_them_in_both_conventions(tmp_path):
+    from transformers import LlamaConfig
+
+    # 12 layers: vLLM/SpecForge tap the inputs of layers (2, 6, 9) = the outputs of (1, 5, 8).
+    assert eagle3.aux_layers(eagle3.DrafterConfig(), LlamaConfig(num_hidden_layers=12)) == [1, 5, 8]
+    assert eagle3.aux_layers(eagle3.DrafterConfig(), LlamaConfig(num_hidden_layers=32)) == [1, 15, 28]
+    with pytest.raises(DraftsmithError, match="set drafter.aux_layers"):
+        eagle3.aux_layers(eagle3.DrafterConfig(), LlamaConfig(num_hidden_layers=4))  # [1, 1, 0]: not in order
+    speculators = {"eagle_aux_hidden_state_layer_ids": [2, 6, 9]}
+    sglang = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 5, 8]}, "eagle_aux_hidden_state_layer_ids": [2, 6, 9]}
+    tc = LlamaConfig(num_hidden_layers=12)
+    assert eagle3.exported_aux_layers(speculators, tc) == eagle3.exported_aux_layers(sglang, tc) == [1, 5, 8]
+    assert eagle3.exported_aux_layers({"architectures": ["LlamaForCausalLMEagle3"]}, tc) == [1, 5, 8]  # engines' default
+
+
+def test_init_from_an_eagle3_head_uses_its_aux_layers_and_refuses_others(arch_targets, tmp_path):
+    data = write_pattern_chats(tmp_path / "chats.jsonl", range(24))
+    run = _train(arch_targets["qwen3"], data, tmp_path, {**FAMILIES["eagle3"], "drafter.aux_layers": [0, 2, 3]},
+                 **{"eval.enabled": False})
+    target, tok = load_target(str(arch_targets["qwen3"]), "float32")
+    published = export(run / "final", target, "speculators", tmp_path / "published", tok=tok)
+    # A fine-tune that names no aux layers reads the head's own.
+    tuned = _train(arch_targets["qwen3"], data, tmp_path, {**FAMILIES["eagle3"], "drafter.aux_layers": None},
+                   **{"run": "tuned", "init_from": str(published), "eval.enabled": False})
+    assert json.loads((tuned / "final" / "config.json").read_text())["drafter_config"]["aux_layers"] == [0, 2, 3]
+    with pytest.raises(DraftsmithError, match=r"names \[0, 1, 2\] but the init_from head was trained on layers \[0, 2, 3\]"):
+        _train(arch_targets["qwen3"], data, tmp_path, FAMILIES["eagle3"],
+               **{"run": "wrong", "init_from": str(published), "eval.enabled": False})
+
+
+def test_bf16_training_and_eval_on_a_llama31_target_is_rule_exact(arch_targets, tmp_path):
+    """The precision GPU recipes use: a bf16 target, bf16 autocast, a bf16 eval. Outputs may differ
+    from a separately run bf16 target-only decode on near-ties; the verification rule may not."""
+    data = write_pattern_chats(tmp_path / "chats.jsonl", range(24))
+    run = _train(arch_targets["llama3.1"], data, tmp_path, FAMILIES["eagle3"], **{
+        "target_dtype": "bfloat16", "optim.mixed_precision": "bf16", "eval.dtype": "bfloat16", "eval.num_prompts": 4,
+        "eval.max_new_tokens": 16})
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["dtype"] == "bfloat16" and report["rule_exact"] is True
+    assert "Rule-exact" in (run / "eval" / "report.md").read_text()
+
+
+def test_a_process_group_timeout_must_be_positive():
+    with pytest.raises(DraftsmithError, match="dist_timeout_minutes must be a number of minutes > 0"):
+        load_config(None, ["dist_timeout_minutes=0"])
