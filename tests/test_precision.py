@@ -150,3 +150,6 @@ def test_a_bf16_autocast_step_at_lr_2e5_changes_full_weights_as_an_fp32_step_doe
     w = torch.cat([v.flatten() for v in weights.values()])
     kept = (w.bfloat16() + d16.bfloat16()).float() != w.bfloat16().float()
     assert kept.float().mean() < 0.5
+    print(f"{family}: weights changed fp32 {moved.float().mean():.4f}, bf16 autocast {(d16 != 0).float().mean():.4f}; "
+          f"mean |Δ| {d32.abs().mean():.3e} vs {d16.abs().mean():.3e}; same sign {((d16[moved] * d32[moved]) > 0).float().mean():.4f}; "
+          f"kept by bf16 weights {kept.float().mean():.4f}")
