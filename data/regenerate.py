@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from draftsmith.data.features import ShardWriter, target_features
 from draftsmith.data.sharding import Shard
 from draftsmith.data.load import encode_prompt, load_prompts, require_chat_template
-from draftsmith.train.kernels import packed_linears
+from draftsmith.util.kernels import packed_linears
 
 
 def eos_ids(target, tok) -> set[int]:
@@ -126,7 +126,7 @@ def regenerate(target, tok, data: str, out: Path, batch_size: int = 8, max_new_t
     batches = shard.mine([todo[s:s + batch_size] for s in range(0, len(todo), batch_size)])
     generator = torch.Generator(device=next(target.parameters()).device).manual_seed(seed + shard.rank)
     eos = eos_ids(target, tok)
-    # Prepacked fp32 CPU linears (train/kernels.py): decode steps feed [B, 1], a small-batch matmul
+    # Prepacked fp32 CPU linears (draftsmith/util/kernels.py): decode steps feed [B, 1], a small-batch matmul
     # that torch's default kernel runs several times slower here.
     with open(partial, "a") as f, packed_linears(target):
         for batch in tqdm(batches, desc="regenerate", disable=not shard.main):
@@ -194,7 +194,7 @@ def regenerate_vllm(target: str, tok, data: str, out: Path, max_new_tokens: int 
     Sampled answers take seed + id, so a resumed run asks each prompt exactly what it would have.
     `extra` passes to `vllm serve` unchanged (e.g. --tensor-parallel-size 8 --data-parallel-size 2)."""
     from draftsmith.data import vllm_server
-    from draftsmith.train.precision import torch_dtype
+    from draftsmith.util.precision import torch_dtype
 
     prompts = _prompts(tok, data, max_examples, split, malformed)
     out, partial = Path(out), _partial(out)

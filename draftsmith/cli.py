@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from draftsmith import DraftsmithError
-from draftsmith.train.precision import DTYPE_HELP, dtype_arg
+from draftsmith.util.precision import DTYPE_HELP, dtype_arg
 
 TRAIN_HELP = """examples:
   draftsmith train recipes/cpu/eagle-smollm2.yaml

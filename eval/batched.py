@@ -46,7 +46,7 @@ from draftsmith.eval.speculative import Stats, _truncate, target_decode, timed
 from draftsmith.eval.tree import verify_tree_greedy
 from draftsmith.models.common import causal_mask
 from draftsmith.models.drafts import Draft
-from draftsmith.train.kernels import packed_linears
+from draftsmith.util.kernels import packed_linears
 
 BATCH_SIZES_HELP = "positive integers separated by commas, e.g. 1,2,4,8"
 

@@ -10,20 +10,19 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
+from huggingface_hub import ModelCard, ModelCardData
 
 from draftsmith import DraftsmithError
 from draftsmith.data import vllm_server
-from draftsmith.data.features import target_features
 from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.data.regenerate import eos_ids
 from draftsmith.eval.report import _where, format_table
 from draftsmith.eval.speculative import Stats, speculative_decode
-from draftsmith.models.common import causal_mask
-from draftsmith.models.export import FORMATS, export, import_export
+from draftsmith.models.common import logit_diff
+from draftsmith.models.export import export, import_export
 from draftsmith.models.registry import drafter_module, load_drafter, target_to_load_on
 from draftsmith.models.target import served_name
 
@@ -31,7 +30,6 @@ from draftsmith.models.target import served_name
 # operations differs (speculators' flex/eager attention, draftsmith's sdpa): measured 7e-8 on the
 # tests' tiny export, 6e-6 on the quickstart smollm2-135m one. A mapping error moves logits far more
 # (reversed aux layer ids: 0.37, argmax agreement 13%, in tests/test_publish.py).
-SPECULATORS_TOL = 1e-4
 
 
 class Recorder:
@@ -59,12 +57,6 @@ class Recorder:
         draft = self.proposer.propose(tokens, feats, k, sampler)
         self.drafts.append(list(draft.tokens))
         return draft
-
-
-def _logit_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """max |x - y| where equal entries count 0: a reduced draft vocabulary puts -inf on the tokens it
-    cannot draft (EAGLE-3), and -inf - -inf would be nan."""
-    return torch.where(x == y, 0.0, (x - y).abs()).max().item()
 
 
 def _passed(keep, logits):
@@ -100,7 +92,7 @@ def verify_export(drafter_dir: Path, exported: Path, target, tok, holdout: str, 
     rows = list(zip(la, lb))  # in call order; aligned while the drafts agree
     out = {"draft_token_agreement": round(agree, 4), "rounds": len(a), "tau_drafter": round(tau_a, 4),
            "tau_export": round(tau_b, 4), "logit_rows": len(rows),
-           "max_abs_logit_diff": max((_logit_diff(x, y) for x, y in rows), default=0.0),
+           "max_abs_logit_diff": max((logit_diff(x, y) for x, y in rows), default=0.0),
            "logit_argmax_agreement": round(sum(int(x.argmax() == y.argmax()) for x, y in rows) / max(len(rows), 1), 4),
            "params": sum(p.numel() for p in getattr(own, "heads", own).parameters())}
     # Both sides run the same code on the same weights in the same dtype, so the logits agree up to
@@ -109,153 +101,26 @@ def verify_export(drafter_dir: Path, exported: Path, target, tok, holdout: str, 
     out["logit_tolerance"] = 1e-3 if next(target.parameters()).dtype == torch.float32 else 5e-2
     out["passed"] = (agree == 1.0 and len(a) == len(b) and len(la) == len(lb) and out["logit_argmax_agreement"] == 1.0
                      and out["max_abs_logit_diff"] <= out["logit_tolerance"])
-    if json.loads((exported / "config.json").read_text()).get("speculators_model_type"):
-        # fp32 copy of our drafter: the comparison measures the two implementations, not the target's dtype
-        ours = module.make_proposer(copy.deepcopy(own).float(), verifier, cfg)
-        prompt_ids = [encode_prompt(tok, p) for p in load_prompts(holdout, prompts)]
-        out["speculators"] = speculators_check(exported, verifier, ours, prompt_ids)
-        out["passed"] = out["passed"] and out["speculators"].get("passed", True)
+    # The format's own consumer, where the family knows one to run (speculators for its format).
+    # fp32 copy of our drafter: the comparison measures the two implementations, not the target's dtype
+    ours = module.make_proposer(copy.deepcopy(own).float(), verifier, cfg)
+    check = module.consumer_check(exported, verifier, ours, [encode_prompt(tok, p) for p in load_prompts(holdout, prompts)])
+    if check is not None:
+        out[check["consumer"]] = check
+        out["passed"] = out["passed"] and check.get("passed", True)
     return out
-
-
-def speculators_check(exported: Path, target, ours, prompt_ids: list[list[int]]) -> dict:
-    """speculators' own loader, then its own forward next to our drafter (`ours`, a FeatureProposer).
-    Only EAGLE-3 exports to speculators: draftsmith has no EAGLE-1 speculators format, and
-    speculators 0.9.0 has no EAGLE-1 model class."""
-    check, model = speculators_load_check(exported)
-    if model is not None:
-        check["forward"] = speculators_forward_check(model, target, ours, prompt_ids)
-        check["passed"] = check["passed"] and check["forward"]["passed"]
-    return check
-
-
-def speculators_load_check(exported: Path) -> tuple[dict, object]:
-    """Load a speculators-format folder with speculators' own `SpeculatorModel.from_pretrained`, and
-    check that every tensor of model.safetensors arrived unchanged under its name -> (result, the
-    loaded model or None). Skipped (and said so) when speculators is not installed. Its verifier is
-    named by hub id in the config; a local folder for it (draftsmith's embedded target) is put in a
-    temporary copy of the config, so the check runs offline. Install without letting pip replace the CPU torch or transformers:
-    `pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 && pip install loguru openai
-    pydantic-settings aiohttp` (speculators 0.9.0 declares transformers<=5.19 and torchvision)."""
-    import importlib.util
-    import tempfile
-
-    if importlib.util.find_spec("speculators") is None:
-        return {"checked": False, "why": "speculators is not installed"}, None
-    from importlib.metadata import version
-
-    from safetensors.torch import load_file
-    from speculators import SpeculatorModel
-
-    from draftsmith.models.target import resolve_target
-
-    config = json.loads((exported / "config.json").read_text())
-    local = resolve_target(config["draftsmith"]["target"])
-    with tempfile.TemporaryDirectory() as tmp:
-        config["speculators_config"]["verifier"]["name_or_path"] = str(local)
-        (Path(tmp) / "config.json").write_text(json.dumps(config))
-        (Path(tmp) / "model.safetensors").symlink_to((exported / "model.safetensors").resolve())
-        try:
-            model = SpeculatorModel.from_pretrained(tmp)
-        except Exception as e:  # the consumer refuses the folder: that is the finding
-            return {"checked": True, "version": version("speculators"), "passed": False,
-                    "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}, None
-    loaded, stored = model.state_dict(), load_file(exported / "model.safetensors")
-    unused = sorted(set(stored) - set(loaded))
-    diff = max(((loaded[n].float() - t.float()).abs().max().item() for n, t in stored.items() if n in loaded), default=0.0)
-    return {"checked": True, "version": version("speculators"), "class": type(model).__name__,
-            "tensors": len(stored), "unused_tensors": unused, "max_abs_diff": diff,
-            "from_verifier": sorted(set(loaded) - set(stored)), "passed": not unused and diff == 0.0}, model
-
-
-@torch.no_grad()
-def speculators_forward_check(model, target, ours, prompt_ids: list[list[int]]) -> dict:
-    """Run speculators' own `Eagle3DraftModel.forward` on real target features of each prompt and
-    compare its first-draft-step logits at every prompt position with our drafter's (`ours`, an fp32
-    FeatureProposer), in the target vocabulary. Its aux ids index transformers' hidden_states (entry
-    0 = embeddings) and are read from its own config, so a wrong id in the export shows here."""
-    device = next(target.parameters()).device
-    model, theirs, mine = model.float().to(device).eval(), [], []
-    for p in prompt_ids:
-        x, t = torch.tensor([p], device=device), len(p) - 1
-        pos, nxt = torch.arange(t, device=device)[None], x[:, 1:]  # row r: feature of x_r, token x_{r+1}
-        # One target pass gives both sides their layers: speculators' id i is transformers'
-        # hidden_states[i], i.e. the output of layer i-1 (`hidden.{i-1}`; 0 is the embeddings).
-        ids = model.config.eagle_aux_hidden_state_layer_ids
-        names = tuple(dict.fromkeys([*ours.feature_names, *(f"hidden.{i - 1}" for i in ids if i > 0)]))
-        feats = {n: f.float() for n, f in target_features(target, {"input_ids": x[:, :t]}, names).items()}
-        aux = torch.cat([feats[f"hidden.{i - 1}"] if i > 0 else target.get_input_embeddings()(x[:, :t]).float()
-                         for i in ids], dim=-1)
-        try:
-            small = _speculators_first_step(model, aux, nxt, pos)
-        except Exception as e:  # speculators cannot run the folder: that is the finding
-            return {"passed": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-        mine.append(ours.logits(ours.step(ours.to_hidden(feats), ours.embed(nxt).float(), pos,
-                                          causal_mask(t, t, device=device), None))[0])
-        theirs.append(_to_target_vocab(small, model.d2t, mine[-1].shape[-1]))
-    a, b = torch.cat(mine), torch.cat(theirs)
-    diff, argmax = _logit_diff(a, b), (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-    why = []
-    if argmax < 1:
-        why.append(f"argmax agreement {argmax:.1%} < 100%")
-    if not diff <= SPECULATORS_TOL:  # nan fails too
-        why.append(f"max |Δ logits| {diff:.1e} > {SPECULATORS_TOL:.0e}")
-    return {"rows": len(a), "max_abs_logit_diff": diff, "logit_argmax_agreement": round(argmax, 4),
-            "tolerance": SPECULATORS_TOL, "passed": not why, **({"why": "; ".join(why)} if why else {})}
-
-
-def _speculators_first_step(model, aux: torch.Tensor, next_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """speculators' forward with ttt_steps=1 (EAGLE-3's first draft step; more steps need flex
-    attention lengths that are multiples of 128) -> its draft-vocab logits [T, V_draft]. The forward
-    returns draft tokens, not logits, so a hook on its lm_head takes them."""
-    grab = []
-    hook = model.lm_head.register_forward_hook(lambda m, args, out: grab.append(out[0]))
-    try:
-        with warnings.catch_warnings():  # flex attention without torch.compile: slow, not wrong
-            warnings.simplefilter("ignore")
-            model(hidden_states=aux, input_ids=next_ids, document_ids=torch.zeros_like(next_ids), position_ids=pos,
-                  ttt_steps=1)
-    finally:
-        hook.remove()
-    return grab[0]
-
-
-def _to_target_vocab(small: torch.Tensor, d2t: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Draft-vocab logits [T, V_draft] -> [T, vocab], -inf off the draft vocabulary; speculators'
-    d2t is ours: target id = draft id + d2t[draft id]."""
-    ids = torch.arange(small.shape[-1], device=small.device)
-    return small.new_full((small.shape[0], vocab), float("-inf")).index_copy(-1, ids + d2t[ids], small)
-
-
-def serving_snippet(family: str, fmt: str, repo_id: str, target: str, k: int) -> str:
-    if fmt == "hf":
-        return (f"```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-                f"tok = AutoTokenizer.from_pretrained(\"{target}\")\n"
-                f"target = AutoModelForCausalLM.from_pretrained(\"{target}\")\n"
-                f"student = AutoModelForCausalLM.from_pretrained(\"{repo_id}\")\n"
-                f"out = target.generate(**tok(\"def fib(n):\", return_tensors=\"pt\"), assistant_model=student,\n"
-                f"                      max_new_tokens=64, do_sample=False)\n```\n"
-                f"vLLM: `vllm serve {target} --speculative-config '{{\"model\": \"{repo_id}\", \"num_speculative_tokens\": {k}}}'`")
-    if fmt == "sglang":
-        algo = "EAGLE3" if family == "eagle3" else "EAGLE"
-        return (f"```bash\npython -m sglang.launch_server --model {target} --speculative-algorithm {algo} \\\n"
-                f"  --speculative-draft-model-path {repo_id} --speculative-num-steps {k} \\\n"
-                f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}\n```")
-    if fmt == "speculators":
-        return f"```bash\nvllm serve {repo_id}   # the speculators config names the verifier, {target}\n```"
-    method = {"eagle": "eagle", "medusa": "medusa"}[family]
-    return (f"```bash\nvllm serve {target} --speculative-config \\\n"
-            f"  '{{\"method\": \"{method}\", \"model\": \"{repo_id}\", \"num_speculative_tokens\": {k}}}'\n```")
 
 
 def model_card(meta: dict, report: dict, fmt: str, repo_id: str, params: int, parity: dict, license: str,
                served: dict | None = None) -> str:
     family, target = meta["drafter"], served_name(meta["target"])
-    served_target = "the `backbone/` folder of this repo (the trained backbone)" if meta["drafter_config"].get(
-        "backbone", "frozen") != "frozen" else f"`{target}`"
-    return "\n".join([
-        "---", f"base_model: {target}", f"library_name: {'transformers' if fmt == 'hf' else 'vllm'}",
-        f"license: {license}", "tags:", "- speculative-decoding", f"- {family}", "- draftsmith", "---", "",
+    served_target = "the `backbone/` folder of this repo (the trained backbone)" if drafter_module(family).trains_target(
+        meta["drafter_config"]) else f"`{target}`"
+    # The Hub's metadata block, written by huggingface_hub (it validates and orders the keys).
+    data = ModelCardData(base_model=target, library_name="transformers" if fmt == "hf" else "vllm", license=license,
+                         tags=["speculative-decoding", family, "draftsmith"])
+    return str(ModelCard("\n".join([
+        f"---\n{data.to_yaml()}\n---", "",
         f"# {family} drafter for {target}", "",
         f"A {family} draft model ({params / 1e6:.1f}M parameters) trained with draftsmith for speculative "
         f"decoding with {served_target} as the verifier, in the `{fmt}` format.", "",
@@ -275,9 +140,9 @@ def model_card(meta: dict, report: dict, fmt: str, repo_id: str, params: int, pa
         f"agreement {parity['logit_argmax_agreement']:.1%}), τ {parity['tau_export']:.2f} vs {parity['tau_drafter']:.2f} "
         f"({'passed' if parity['passed'] else 'FAILED'}).{speculators_line(parity)}", "",
         *(["## In vLLM", "", _served_words(served), ""] if served else []),
-        "## Serving", "", serving_snippet(family, fmt, repo_id, target if "backbone/" not in served_target else
+        "## Serving", "", drafter_module(family).serving_snippet(fmt, repo_id, target if "backbone/" not in served_target else
                                           f"$(hf download {repo_id})/backbone", report.get("k") or 4), "",
-    ])
+    ])))
 
 
 def _lossless_words(report: dict) -> list[str]:
@@ -335,8 +200,9 @@ def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None 
         raise DraftsmithError(f"--repo-id {repo_id}: not a valid Hub repo id ({str(e).splitlines()[0]})") from None
     meta = json.loads((drafter_dir / "config.json").read_text())
     fmt = fmt or drafter_module(meta["drafter"]).SERVE_FORMAT  # the format vLLM serves the family from
-    if fmt not in FORMATS[meta["drafter"]]:
-        raise DraftsmithError(f"--format {fmt}: a {meta['drafter']} drafter exports to {', '.join(FORMATS[meta['drafter']])}")
+    formats = drafter_module(meta["drafter"]).EXPORTS
+    if fmt not in formats:
+        raise DraftsmithError(f"--format {fmt}: a {meta['drafter']} drafter exports to {', '.join(formats)}")
     # The training run's own eval stage (train/loop.py), never a standalone `draftsmith eval`, which
     # writes beside it under RUN/evals/: a quick check on a few prompts must not become the card's figures.
     report_file = drafter_dir.parent / "eval" / "report.json"

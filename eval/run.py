@@ -15,8 +15,8 @@ from draftsmith.eval.batched import batch_curve
 from draftsmith.eval.report import write_report
 from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculative_decode, target_decode, timed
 from draftsmith.models.drafts import parse_tree
-from draftsmith.train.kernels import packed_linears
-from draftsmith.train.precision import hardware
+from draftsmith.util.kernels import packed_linears
+from draftsmith.util.precision import hardware
 
 
 def proposer_modules(proposer) -> list[torch.nn.Module]:
@@ -57,7 +57,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
     tree: a tree spec (models/drafts.py) instead of a chain of k drafts; k then reports the tree depth.
     baseline: target-only (output, seconds) per prompt from `target_baseline`, measured once and shared
     by several drafters (`draftsmith compare`); by default it is measured here, prompt by prompt.
-    kernels: decode on prepacked oneDNN linears in fp32 on CPU (train/kernels.py); False = torch's default.
+    kernels: decode on prepacked oneDNN linears in fp32 on CPU (draftsmith/util/kernels.py); False = torch's default.
     batch_sizes: also measure the batch-size curve (eval/batched.py: greedy, chain drafts of k tokens)."""
     spec = parse_tree(tree) if tree else None
     if batch_sizes and (spec is not None or temperature > 0):
@@ -80,7 +80,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         return Sampler(temperature, top_p, seed, device) if temperature > 0 else None
 
     stats, ref_s, mismatches, ref_tokens, gaps = Stats(k=max(k, 1)), 0.0, 0, 0, []
-    # Target and drafter decode on the fastest kernels of the machine (train/kernels.py), the
+    # Target and drafter decode on the fastest kernels of the machine (draftsmith/util/kernels.py), the
     # target-only baseline included, so the speedup compares like with like.
     with packed_linears(target, *proposer_modules(proposer), enabled=kernels):
         # Warm up both paths once so one-time allocation costs do not bias the first timing.
@@ -169,7 +169,7 @@ def evaluate_drafter(module, drafter, dcfg, target, tok, holdout: str, out: Path
     proposer = module.make_proposer(drafter, verifier, dcfg)
     report = evaluate(proposer, module.NAME, verifier, tok, holdout, None, **kwargs)
     if verifier is not target:
-        with drafter.original() as original:
+        with module.original(drafter, target) as original:
             report["drift"] = backbone_drift(original, verifier, tok, holdout, proposer, **kwargs)
     if out is not None:
         write_report(report, out)

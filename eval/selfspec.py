@@ -31,7 +31,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.data.regenerate import eos_ids
 from draftsmith.eval.speculative import Stats, speculative_decode, target_decode
-from draftsmith.models.distill import StudentProposer
+from draftsmith.models.common import StudentProposer
 from draftsmith.models.target import fingerprint
 
 FILE = "layerskip.json"

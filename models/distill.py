@@ -1,7 +1,7 @@
 """Distilled draft models (DistillSpec, Zhou et al. 2024, arXiv:2310.08461): an independent small
 causal LM with the target's tokenizer, trained so that its next-token distribution q agrees with
 the target's p. Speculative sampling accepts a draft token with probability sum_x min(p, q) =
-1 - TVD(p, q), so the divergence trained on (FKL, RKL, JSD(beta), TVD; train/losses.py) matters.
+1 - TVD(p, q), so the divergence trained on (FKL, RKL, JSD(beta), TVD; draftsmith/util/losses.py) matters.
 
 The student comes from (`init`):
 - `truncate` (default): the target's own embeddings, final norm, lm_head and `num_layers` of its
@@ -28,9 +28,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import collate
 from draftsmith.data.features import target_features, unpack_topk
-from draftsmith.models.drafts import Draft
-from draftsmith.models.common import crop_cache, frozen_target, keep_config, lora_config, single_group, vllm_method
-from draftsmith.train.losses import DIVERGENCES, expected_acceptance
+from draftsmith.models.common import (crop_cache, frozen_target, keep_config, layer_activation_bytes, lora_config,
+                                      no_consumer_check, single_group, StudentProposer, target_as_original,
+                                      trains_target_never, vllm_method, vllm_snippet)
+from draftsmith.util.losses import DIVERGENCES, expected_acceptance
 
 NAME = "distill"
 
@@ -47,7 +48,7 @@ class DrafterConfig:
     """truncate: 0 = the target's MLP width; N = a narrower student whose MLPs start fresh (random) while
     embeddings, norms, attention and lm_head are the target's."""
     divergence: str = "fkl"
-    """fkl, rkl, jsd or tvd (train/losses.py), over the full vocabulary at every trained position."""
+    """fkl, rkl, jsd or tvd (draftsmith/util/losses.py), over the full vocabulary at every trained position."""
     temperature: float = 1.0
     """Both distributions are softened at this temperature before the divergence."""
     beta: float = 0.5
@@ -157,6 +158,10 @@ def build(cfg: DrafterConfig, target, dataset=None):
     dtype = next(target.parameters()).dtype if cfg.lora_rank else torch.float32
     if cfg.init == "truncate":
         student = truncated_student(target, cfg).to(dtype)
+    elif next(target.parameters()).is_meta:  # `plan` sizes the run from configs alone: no download
+        from draftsmith.models.known import model_config
+
+        student = AutoModelForCausalLM.from_config(model_config(cfg.init, what="drafter.init"))
     else:
         check_tokenizer(cfg.init, target)
         student = AutoModelForCausalLM.from_pretrained(cfg.init, dtype=dtype)
@@ -285,51 +290,62 @@ def on_policy_batch(student, batch: dict, rows: int, max_new_tokens: int, temper
     return {k: v.to(device) for k, v in collate(examples, target.config.pad_token_id).items()}
 
 
-def resync(proposer, ids: list[int]) -> list[int]:
-    """Keep a proposer's own KV cache (`proposer.cache`, `proposer.fed`) on the longest prefix of `ids`
-    it has fed -> the tokens still to feed, at least the newest one (its logits start the draft)."""
-    fed = proposer.fed
-    same = next((i for i, (a, b) in enumerate(zip(fed, ids)) if a != b), min(len(fed), len(ids)))
-    same = min(same, len(ids) - 1)
-    crop_cache(proposer.cache, same)
-    proposer.fed = fed[:same]
-    return ids[same:]
-
-
-class StudentProposer:
-    """Chain drafting with the student's own KV cache. Each round the cache keeps the longest prefix
-    of what it was fed that the accepted tokens still agree with; the rest is fed in one pass."""
-
-    feature_names = ()  # the student reads tokens only
-
-    def __init__(self, student):
-        self.student = student.eval()
-        self.reset()
-
-    def reset(self):
-        self.cache, self.fed = DynamicCache(), []
-
-    def _feed(self, ids: list[int], device) -> torch.Tensor:
-        out = self.student(input_ids=torch.tensor([ids], device=device), cache=self.cache, use_cache=True)
-        self.fed += ids
-        return out.logits[0, -1]
-
-    @torch.no_grad()
-    def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> Draft:
-        ids, device = tokens[0].tolist(), tokens.device
-        logits, draft = self._feed(resync(self, ids), device), Draft()
-        for i in range(k):
-            q = None if sampler is None else sampler.probs(logits)
-            token = int(logits.argmax()) if q is None else sampler.sample(q)
-            draft.add(token, i - 1, q)
-            if i + 1 < k:
-                logits = self._feed([token], device)
-        return draft
-
-
 def make_proposer(student, target, cfg: DrafterConfig) -> StudentProposer:
     return StudentProposer(plain(student))  # adapters merged: drafting pays for no LoRA matmuls
 
 
 # vLLM serves this family's `hf` export as speculative method `draft_model` (eval/serve_check.py).
 SERVE_FORMAT, vllm_serving = "hf", vllm_method("draft_model")
+
+
+# --- format: a plain transformers folder (vLLM/SGLang draft model, transformers `assistant_model`) ---
+
+def write_hf(student, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
+    """The student's weights, config and generation config with the target's tokenizer (`tok`);
+    `draftsmith` in config.json records where it came from (transformers keeps unknown keys)."""
+    if tok is None:
+        raise DraftsmithError("--format hf: the export needs the target's tokenizer")
+    student = plain(student)
+    student.config.draftsmith = info
+    student.save_pretrained(out)
+    del student.config.draftsmith
+    tok.save_pretrained(out)
+
+
+EXPORTS = {"hf": write_hf}
+
+
+def recognises(config: dict, tensor_names: set[str]) -> bool:
+    """Any causal LM (the registry asks this family last: heads published as causal LMs are others')."""
+    return (config.get("architectures") or ["?"])[0].endswith("ForCausalLM")
+
+
+def read_export(path, target) -> dict[str, torch.Tensor]:
+    """A plain causal LM folder: transformers reads it (sharded or not)."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=next(target.parameters()).dtype).state_dict()
+
+
+def from_export(path, config: dict, cfg: DrafterConfig, target):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=next(target.parameters()).dtype)
+
+
+# The target is never trained: it is its own original (Medusa-2 differs).
+trains_target, original = trains_target_never, target_as_original
+consumer_check = no_consumer_check  # no engine-side loader of its formats runs here
+
+
+def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
+    return (f"```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            f"tok = AutoTokenizer.from_pretrained(\"{target}\")\n"
+            f"target = AutoModelForCausalLM.from_pretrained(\"{target}\")\n"
+            f"student = AutoModelForCausalLM.from_pretrained(\"{repo_id}\")\n"
+            f"out = target.generate(**tok(\"def fib(n):\", return_tensors=\"pt\"), assistant_model=student,\n"
+            f"                      max_new_tokens=64, do_sample=False)\n```\n"
+            f"vLLM: {vllm_snippet('draft_model', repo_id, target, k)}")
+
+
+def activation_bytes(cfg: DrafterConfig, tc, student, batch: int, length: int, elem: int) -> int:
+    """`plan`: the student's layers at its own width (a hub student is narrower than the target); its
+    logits, their log-softmax and the divergence's terms, the teacher's."""
+    sc, n = student.config, batch * length
+    return n * sc.num_hidden_layers * layer_activation_bytes(sc.hidden_size, sc.intermediate_size, elem) + n * 4 * 7 * tc.vocab_size

@@ -21,8 +21,11 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from draftsmith.models.common import FeatureProposer, frozen_target, keep_config, single_group, ttt_mask, vllm_method
-from draftsmith.train.losses import smooth_l1_feature_loss, soft_cross_entropy, topk_distillation_loss
+from draftsmith.models.common import (exported_weights, FeatureProposer, from_exported_head, frozen_target,
+                                      keep_config, layer_activation_bytes, llama_dims, no_consumer_check, renamed,
+                                      single_group, target_as_original, trains_target_never, ttt_mask, vllm_method,
+                                      vllm_snippet, write_tensors)
+from draftsmith.util.losses import smooth_l1_feature_loss, soft_cross_entropy, topk_distillation_loss
 
 NAME = "eagle"
 # Feature contract: which target tensors this family trains on. The online loop computes them
@@ -185,3 +188,70 @@ from_init = keep_config  # its config does not depend on the drafter it starts f
 
 # vLLM serves this family's `vllm` export as speculative method `eagle` (eval/serve_check.py).
 SERVE_FORMAT, vllm_serving = "vllm", vllm_method("eagle")
+
+
+# --- formats: vLLM `EagleLlamaForCausalLM` and SGLang `LlamaForCausalLMEagle` load the same folder ---
+
+def write_export(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
+    """A one-layer Llama checkpoint: fc + layers.0.* (no input_layernorm, no embeddings, no lm_head:
+    the engines take the target's)."""
+    state = renamed(drafter.state_dict(), "layer.", "layers.0.")
+    # SGLang's EAGLE fc has a bias; vLLM's does not (and skips fc.bias). A zero bias serves both.
+    state["fc.bias"] = torch.zeros(drafter.config.hidden_size)
+    config = {"architectures": ["LlamaForCausalLM"], **llama_dims(drafter), "bias": False,
+              "tie_word_embeddings": False, "draftsmith": info}
+    write_tensors(out, config, state)
+
+
+EXPORTS = {"vllm": write_export, "sglang": write_export}
+
+
+def recognises(config: dict, tensor_names: set[str]) -> bool:
+    """The engines' EAGLE-1 architectures, or a one-layer Llama with an `fc` (how EAGLE-1 heads are published)."""
+    arch = (config.get("architectures") or ["?"])[0]
+    return arch in ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle") or (arch.endswith("ForCausalLM") and "fc.weight" in tensor_names)
+
+
+def read_export(path, target) -> dict[str, torch.Tensor]:
+    state = exported_weights(path)
+    state.pop("embed_tokens.weight", None)  # EAGLE heads use the target's embeddings
+    state.pop("fc.bias", None)  # the zero bias written for SGLang
+    return renamed(state, "layers.0.", "layer.")
+
+
+def from_export(path, config: dict, cfg: DrafterConfig, target) -> EagleDrafter:
+    return from_exported_head(build(cfg, target), config, read_export(path, target))
+
+
+# The target is never trained: it is its own original (Medusa-2 differs).
+trains_target, original = trains_target_never, target_as_original
+consumer_check = no_consumer_check  # no engine-side loader of its formats runs here
+
+
+def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
+    if fmt == "sglang":
+        return sglang_snippet("EAGLE", repo_id, target, k)
+    return vllm_snippet("eagle", repo_id, target, k)
+
+
+def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, elem: int) -> int:
+    """`plan`: bytes live at a training step's peak for a micro-batch of full rows (fp32 loss buffers)."""
+    return unroll_activation_bytes(tc, batch, length, elem, 1, tc.vocab_size)
+
+
+def unroll_activation_bytes(tc, batch: int, length: int, elem: int, steps: int, vocab: int) -> int:
+    """A feature-space head unrolled `steps` times (TTT / HASS), its logits over `vocab` tokens."""
+    n, f = batch * length, 4
+    layer = layer_activation_bytes(tc.hidden_size, tc.intermediate_size, elem)
+    # the target's draft-vocab distribution and one copy per step's labels; per step the logits,
+    # softmax, log-softmax kept for backward; one transient product; the TTT masks (one [t, t(j+1)]
+    # block row per step, materialised in the activation dtype by SDPA)
+    unroll = n * f * vocab * (2 + 4 * steps) + n * steps * layer + elem * batch * length * length * steps * (steps + 1) // 2
+    # ... unless the teacher's pass before it is higher: one full-vocabulary chunk of 4096 rows
+    return max(unroll, f * (min(n, 4096) * tc.vocab_size + 2 * n * vocab))
+
+
+def sglang_snippet(algorithm: str, repo_id: str, target: str, k: int) -> str:
+    return (f"```bash\npython -m sglang.launch_server --model {target} --speculative-algorithm {algorithm} \\\n"
+            f"  --speculative-draft-model-path {repo_id} --speculative-num-steps {k} \\\n"
+            f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}\n```")

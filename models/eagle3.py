@@ -13,7 +13,10 @@ Tensor names follow the official/SGLang `LlamaForCausalLMEagle3` checkpoint.
 
 from __future__ import annotations
 
+import json
+import warnings
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,9 +24,13 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import FeatureProposer, draft_vocab, frozen_target, max_over_ranks, single_group, ttt_mask, vllm_method
-from draftsmith.models.eagle import layer_config
-from draftsmith.train.losses import soft_cross_entropy, topk_distillation_loss
+from draftsmith.data.features import target_features
+from draftsmith.models.common import (causal_mask, draft_vocab, exported_weights, FeatureProposer,
+                                      from_exported_head, frozen_target, llama_dims, logit_diff, max_over_ranks,
+                                      renamed, single_group, target_as_original, trains_target_never, ttt_mask,
+                                      vllm_method, vllm_snippet, write_tensors)
+from draftsmith.models.eagle import layer_config, sglang_snippet, unroll_activation_bytes
+from draftsmith.util.losses import soft_cross_entropy, topk_distillation_loss
 
 NAME = "eagle3"
 
@@ -271,3 +278,189 @@ param_groups, verifier = single_group, frozen_target
 
 # vLLM serves this family's `speculators` export as speculative method `eagle3` (eval/serve_check.py).
 SERVE_FORMAT, vllm_serving = "speculators", vllm_method("eagle3")
+
+
+# --- formats --------------------------------------------------------------------------------------
+# `sglang` (= `vllm`): the official EAGLE-3 / SGLang / vLLM `LlamaForCausalLMEagle3` checkpoint;
+# `speculators`: vLLM speculators' `Eagle3Speculator`, which vLLM serves on its own.
+
+def write_sglang(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
+    ids = aux_layers(cfg, target.config)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], **llama_dims(drafter),
+              "draft_vocab_size": drafter.lm_head.out_features, "tie_word_embeddings": False,
+              "target_hidden_size": drafter.config.hidden_size,
+              # SGLang reads the nested ids (layer outputs) and adds 1; vLLM reads top-level ids as
+              # layer *inputs* with no +1. Top-level = nested + 1 makes both tap the same layers.
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+              "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids], "draftsmith": info}
+    write_tensors(out, config, drafter.state_dict())
+
+
+def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
+    from draftsmith.models.target import served_name
+
+    state = renamed(drafter.state_dict(), "midlayer.", "layers.0.")
+    # vLLM keeps a drafter's own embed_tokens when it differs from the target's, so ship the
+    # target's own (never random) embeddings.
+    state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+              "draft_vocab_size": drafter.lm_head.out_features, "norm_before_residual": False,
+              "target_hidden_size": drafter.config.hidden_size,
+              "eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux_layers(cfg, target.config)],  # layer inputs
+              "speculators_config": {
+                  "algorithm": "eagle3", "default_proposal_method": "greedy",
+                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": meta.get("k", 5),
+                                        "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                  # A name vLLM and speculators resolve, never draftsmith's own alias.
+                  "verifier": {"name_or_path": served_name(meta["target"]),
+                               "architectures": list(target.config.architectures or [])}},
+              "transformer_layer_config": llama_dims(drafter), "draftsmith": info}
+    write_tensors(out, config, state)
+
+
+EXPORTS = {"sglang": write_sglang, "vllm": write_sglang, "speculators": write_speculators}
+
+
+def recognises(config: dict, tensor_names: set[str]) -> bool:
+    return (config.get("architectures") or ["?"])[0] in ("LlamaForCausalLMEagle3", "Eagle3Speculator")
+
+
+def read_export(path, target) -> dict[str, torch.Tensor]:
+    state = exported_weights(path)
+    state.pop("embed_tokens.weight", None)  # EAGLE heads use the target's embeddings
+    return renamed(state, "layers.0.", "midlayer.")
+
+
+def from_export(path, config: dict, cfg: DrafterConfig, target) -> Eagle3Drafter:
+    return from_exported_head(build(cfg, target), config, read_export(path, target))
+
+
+# The target is never trained: it is its own original (Medusa-2 differs).
+trains_target, original = trains_target_never, target_as_original
+
+
+def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
+    if fmt == "speculators":
+        return f"```bash\nvllm serve {repo_id}   # the speculators config names the verifier, {target}\n```"
+    return sglang_snippet("EAGLE3", repo_id, target, k) if fmt == "sglang" else vllm_snippet("eagle3", repo_id, target, k)
+
+
+def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, elem: int) -> int:
+    """`plan`: bytes live at a training step's peak for a micro-batch of full rows (fp32 loss buffers)."""
+    return unroll_activation_bytes(tc, batch, length, elem, cfg.ttt_steps, cfg.draft_vocab_size or tc.vocab_size)
+
+
+# --- the speculators format's own consumer (`export --verify`, `publish`) ---------------------------
+SPECULATORS_TOL = 1e-4
+
+
+def consumer_check(exported: Path, target, ours, prompt_ids: list[list[int]]) -> dict | None:
+    """speculators' own loader, then its own forward next to our drafter (`ours`, a FeatureProposer).
+    Only EAGLE-3 exports to speculators: draftsmith has no EAGLE-1 speculators format, and
+    speculators 0.9.0 has no EAGLE-1 model class. None for the other formats (no consumer runs here)."""
+    if not json.loads((Path(exported) / "config.json").read_text()).get("speculators_model_type"):
+        return None
+    check, model = speculators_load_check(exported)
+    check["consumer"] = "speculators"
+    if model is not None:
+        check["forward"] = speculators_forward_check(model, target, ours, prompt_ids)
+        check["passed"] = check["passed"] and check["forward"]["passed"]
+    return check
+
+
+def speculators_load_check(exported: Path) -> tuple[dict, object]:
+    """Load a speculators-format folder with speculators' own `SpeculatorModel.from_pretrained`, and
+    check that every tensor of model.safetensors arrived unchanged under its name -> (result, the
+    loaded model or None). Skipped (and said so) when speculators is not installed. Its verifier is
+    named by hub id in the config; a local folder for it (draftsmith's embedded target) is put in a
+    temporary copy of the config, so the check runs offline. Install without letting pip replace the CPU torch or transformers:
+    `pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 && pip install loguru openai
+    pydantic-settings aiohttp` (speculators 0.9.0 declares transformers<=5.19 and torchvision)."""
+    import importlib.util
+    import tempfile
+
+    if importlib.util.find_spec("speculators") is None:
+        return {"checked": False, "why": "speculators is not installed"}, None
+    from importlib.metadata import version
+
+    from safetensors.torch import load_file
+    from speculators import SpeculatorModel
+
+    from draftsmith.models.target import resolve_target
+
+    config = json.loads((exported / "config.json").read_text())
+    local = resolve_target(config["draftsmith"]["target"])
+    with tempfile.TemporaryDirectory() as tmp:
+        config["speculators_config"]["verifier"]["name_or_path"] = str(local)
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        (Path(tmp) / "model.safetensors").symlink_to((exported / "model.safetensors").resolve())
+        try:
+            model = SpeculatorModel.from_pretrained(tmp)
+        except Exception as e:  # the consumer refuses the folder: that is the finding
+            return {"checked": True, "version": version("speculators"), "passed": False,
+                    "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}, None
+    loaded, stored = model.state_dict(), load_file(exported / "model.safetensors")
+    unused = sorted(set(stored) - set(loaded))
+    diff = max(((loaded[n].float() - t.float()).abs().max().item() for n, t in stored.items() if n in loaded), default=0.0)
+    return {"checked": True, "version": version("speculators"), "class": type(model).__name__,
+            "tensors": len(stored), "unused_tensors": unused, "max_abs_diff": diff,
+            "from_verifier": sorted(set(loaded) - set(stored)), "passed": not unused and diff == 0.0}, model
+
+
+@torch.no_grad()
+def speculators_forward_check(model, target, ours, prompt_ids: list[list[int]]) -> dict:
+    """Run speculators' own `Eagle3DraftModel.forward` on real target features of each prompt and
+    compare its first-draft-step logits at every prompt position with our drafter's (`ours`, an fp32
+    FeatureProposer), in the target vocabulary. Its aux ids index transformers' hidden_states (entry
+    0 = embeddings) and are read from its own config, so a wrong id in the export shows here."""
+    device = next(target.parameters()).device
+    model, theirs, mine = model.float().to(device).eval(), [], []
+    for p in prompt_ids:
+        x, t = torch.tensor([p], device=device), len(p) - 1
+        pos, nxt = torch.arange(t, device=device)[None], x[:, 1:]  # row r: feature of x_r, token x_{r+1}
+        # One target pass gives both sides their layers: speculators' id i is transformers'
+        # hidden_states[i], i.e. the output of layer i-1 (`hidden.{i-1}`; 0 is the embeddings).
+        ids = model.config.eagle_aux_hidden_state_layer_ids
+        names = tuple(dict.fromkeys([*ours.feature_names, *(f"hidden.{i - 1}" for i in ids if i > 0)]))
+        feats = {n: f.float() for n, f in target_features(target, {"input_ids": x[:, :t]}, names).items()}
+        aux = torch.cat([feats[f"hidden.{i - 1}"] if i > 0 else target.get_input_embeddings()(x[:, :t]).float()
+                         for i in ids], dim=-1)
+        try:
+            small = _speculators_first_step(model, aux, nxt, pos)
+        except Exception as e:  # speculators cannot run the folder: that is the finding
+            return {"passed": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+        mine.append(ours.logits(ours.step(ours.to_hidden(feats), ours.embed(nxt).float(), pos,
+                                          causal_mask(t, t, device=device), None))[0])
+        theirs.append(_to_target_vocab(small, model.d2t, mine[-1].shape[-1]))
+    a, b = torch.cat(mine), torch.cat(theirs)
+    diff, argmax = logit_diff(a, b), (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    why = []
+    if argmax < 1:
+        why.append(f"argmax agreement {argmax:.1%} < 100%")
+    if not diff <= SPECULATORS_TOL:  # nan fails too
+        why.append(f"max |Δ logits| {diff:.1e} > {SPECULATORS_TOL:.0e}")
+    return {"rows": len(a), "max_abs_logit_diff": diff, "logit_argmax_agreement": round(argmax, 4),
+            "tolerance": SPECULATORS_TOL, "passed": not why, **({"why": "; ".join(why)} if why else {})}
+
+
+def _speculators_first_step(model, aux: torch.Tensor, next_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """speculators' forward with ttt_steps=1 (EAGLE-3's first draft step; more steps need flex
+    attention lengths that are multiples of 128) -> its draft-vocab logits [T, V_draft]. The forward
+    returns draft tokens, not logits, so a hook on its lm_head takes them."""
+    grab = []
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: grab.append(out[0]))
+    try:
+        with warnings.catch_warnings():  # flex attention without torch.compile: slow, not wrong
+            warnings.simplefilter("ignore")
+            model(hidden_states=aux, input_ids=next_ids, document_ids=torch.zeros_like(next_ids), position_ids=pos,
+                  ttt_steps=1)
+    finally:
+        hook.remove()
+    return grab[0]
+
+
+def _to_target_vocab(small: torch.Tensor, d2t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft-vocab logits [T, V_draft] -> [T, vocab], -inf off the draft vocabulary; speculators'
+    d2t is ours: target id = draft id + d2t[draft id]."""
+    ids = torch.arange(small.shape[-1], device=small.device)
+    return small.new_full((small.shape[0], vocab), float("-inf")).index_copy(-1, ids + d2t[ids], small)

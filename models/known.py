@@ -52,6 +52,22 @@ KNOWN_CONFIGS: dict[str, dict] = {
 }
 
 
+def model_config(name: str, cache_dir: str = "", what: str = "target") -> PretrainedConfig:
+    """The config of a target or a distill student (`what` names it in the error): the published one
+    for the models above, so every GPU recipe plans offline, else its config.json."""
+    from draftsmith import DraftsmithError
+    from draftsmith.models.target import resolve_target
+
+    known = known_config(name)
+    if known is not None:
+        return known
+    try:
+        return AutoConfig.from_pretrained(resolve_target(name, cache_dir))
+    except OSError as e:
+        raise DraftsmithError(f"cannot read the config of {what} '{name}' ({str(e).splitlines()[0]}); "
+                              f"known offline: {', '.join(KNOWN_CONFIGS)}") from None
+
+
 def known_config(name: str) -> PretrainedConfig | None:
     """The transformers config of a known model id (None for others)."""
     if name not in KNOWN_CONFIGS:

@@ -29,14 +29,16 @@ import copy
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from draftsmith import DraftsmithError
 from draftsmith.models.drafts import Draft
-from draftsmith.models.common import draft_vocab, keep_config, lora_config
-from draftsmith.train.losses import forward_kl, soft_cross_entropy
+from draftsmith.models.common import (draft_vocab, exported_weights, keep_config, layer_activation_bytes,
+                                      lora_config, no_consumer_check, vllm_snippet, write_tensors)
+from draftsmith.util.losses import forward_kl, soft_cross_entropy
 
 NAME = "medusa"
 
@@ -426,3 +428,97 @@ def vllm_serving(export_dir, export_config: dict, k: int) -> tuple[dict, list[st
     spec = {"method": "medusa", "model": str(export_dir), "num_speculative_tokens": export_config["num_heads"]}
     reduced = export_config.get("truncated_vocab_size") not in (None, export_config["vocab_size"])
     return spec, ["--model-loader-extra-config", '{"enable_weights_track": false}'] if reduced else []
+
+
+# --- format: vLLM `MedusaModel` (a Medusa-2 export adds `backbone/`, the new target) ----------------
+
+def write_export(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
+    """vLLM `MedusaModel`: blocks.{h}.layers.{l}.weight (+ .bias only with medusa_fc_bias: vLLM builds
+    the ResBlock linears without bias otherwise) and lm_heads.{h}.weight, or one lm_head.weight
+    (the target's) with original_lm_head. A Medusa-2 drafter also writes `out/backbone/`: the trained
+    backbone with its adapters merged, a plain transformers folder with the target's tokenizer
+    (`tok`), which serves as the new target (vLLM `--model out/backbone`, `speculative_config.model: out`)."""
+    heads, meta = getattr(drafter, "heads", drafter), {**meta, "target_vocab_size": target.config.vocab_size}
+    state = {k.replace(".linear.", "."): v for k, v in heads.state_dict().items()}
+    shared, vocab = heads.shared_lm_head is not None, meta["target_vocab_size"]
+    reduced = hasattr(heads, "token_map")
+    if reduced and not shared:
+        # vLLM 0.32 MedusaModel builds each head's own lm_head over the full vocabulary and asserts
+        # that the checkpoint's rows fill it (ParallelLMHead.weight_loader), so per-head draft-vocabulary
+        # heads have no encoding it loads; only one shared lm_head is built at truncated_vocab_size.
+        raise DraftsmithError(f"--format vllm: vLLM's MedusaModel serves a reduced head vocabulary only through one "
+                              f"shared lm_head; these {len(heads.lm_heads)} heads each have their own "
+                              f"{heads.lm_heads[0].out_features}-row lm_head. Train with drafter.original_lm_head=true "
+                              f"(the target's rows of the draft vocabulary) or drafter.draft_vocab_size=0")
+    if shared:  # vLLM gives every head this one lm_head (with token_map: its rows of the draft vocabulary)
+        state["lm_head.weight"] = heads.shared_rows() if reduced else heads.shared_lm_head.weight.detach()
+    hidden = heads.blocks[0].layers[0].linear.in_features
+    # A reduced head vocabulary: vLLM scatters the heads' logits through `token_map` (-inf elsewhere).
+    truncated = len(heads.token_map) if reduced else None
+    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": hidden,
+              "vocab_size": vocab, "num_heads": len(heads.blocks), "num_hidden_layers": len(heads.blocks[0].layers),
+              "medusa_fc_bias": heads.blocks[0].layers[0].linear.bias is not None,
+              "truncated_vocab_size": truncated, "original_lm_head": shared}
+    config["draftsmith"] = info
+    backbone = verifier(drafter, target)
+    if backbone is not target:
+        if tok is None:
+            raise DraftsmithError(f"{info['target']}: exporting a trained backbone needs the target's tokenizer")
+        backbone.save_pretrained(Path(out) / "backbone")
+        tok.save_pretrained(Path(out) / "backbone")
+        info["backbone"] = "backbone"  # the new target, relative to this folder
+    write_tensors(out, config, state)
+
+
+EXPORTS = {"vllm": write_export}
+
+
+def recognises(config: dict, tensor_names: set[str]) -> bool:
+    return (config.get("architectures") or ["?"])[0] == "MedusaModel"
+
+
+def read_export(path, target) -> dict[str, torch.Tensor]:
+    state = exported_weights(path)
+    state.pop("lm_head.weight", None)  # original_lm_head: the target's own, not a head weight
+    # blocks.h.layers.l.weight -> the ResBlock's .linear
+    return {(k.rsplit(".", 1)[0] + ".linear." + k.rsplit(".", 1)[1]) if k.startswith("blocks.") else k: v
+            for k, v in state.items()}
+
+
+def from_export(path, config: dict, cfg: DrafterConfig, target) -> MedusaHeads:
+    cfg.backbone = "frozen"  # exported heads are plain Medusa heads; a Medusa-2 backbone is `backbone/`
+    heads = build(cfg, target)
+    heads.load_state_dict(read_export(path, target), strict=True)
+    return heads
+
+
+def trains_target(drafter_config: dict) -> bool:
+    """Medusa-2 changes the backbone it is loaded on: it needs its own copy of the target."""
+    return drafter_config.get("backbone", "frozen") != "frozen"
+
+
+@contextmanager
+def original(drafter, target):
+    """The target as it was before training: Medusa-2's backbone with adapters off, or its frozen original."""
+    if isinstance(drafter, Medusa2):
+        with drafter.original() as model:
+            yield model
+    else:
+        yield target
+
+
+consumer_check = no_consumer_check  # no engine-side loader of its format runs here
+
+
+def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
+    return vllm_snippet("medusa", repo_id, target, k)
+
+
+def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, elem: int) -> int:
+    """`plan`: per head its logits, log-softmax and the soft labels' slice; the teacher's distribution
+    once; with a trained backbone its own logits and KL to the original, gradients through every layer."""
+    n, f, vd, h = batch * length, 4, cfg.draft_vocab_size or tc.vocab_size, tc.hidden_size
+    act = n * cfg.num_heads * (f * 3 * vd + elem * 8 * h) + n * f * tc.vocab_size
+    if cfg.backbone != "frozen":
+        act += n * tc.num_hidden_layers * layer_activation_bytes(h, tc.intermediate_size, elem) + n * f * 7 * tc.vocab_size
+    return act

@@ -14,18 +14,25 @@ from draftsmith import DraftsmithError
 from draftsmith.models import distill, eagle, eagle3, medusa
 from draftsmith.models.common import check_fingerprint, load_state, read_drafter_meta
 from draftsmith.models.target import fingerprint
-from draftsmith.train.parse import from_dict
+from draftsmith.util.parse import from_dict
 
 DRAFTERS: dict[str, ModuleType] = {
     "eagle": eagle,
     "eagle3": eagle3,
     "medusa": medusa,
-    "distill": distill,
+    "distill": distill,  # last: `recognises` any causal LM, so published heads are asked first
 }
+DEFAULT_DRAFTER = "eagle"  # a recipe that names no drafter.type
 
 # What every family module provides (checked by the registry test).
 INTERFACE = ("NAME", "DrafterConfig", "feature_names", "max_draft_depth", "build", "rebuild", "param_groups",
-             "compute_loss", "make_proposer", "verifier", "SERVE_FORMAT", "vllm_serving", "from_init")
+             "compute_loss", "make_proposer", "verifier", "SERVE_FORMAT", "vllm_serving", "from_init",
+             # formats: writers, recognising and reading exports (models/export.py), the served snippet
+             "EXPORTS", "recognises", "read_export", "from_export", "serving_snippet", "consumer_check",
+             # a family that trains the target: whether it needs its own copy, and the target before training
+             "trains_target", "original",
+             # `plan`: activation bytes at the step's peak
+             "activation_bytes")
 
 
 def drafter_module(name: str, where: str = "drafter.type") -> ModuleType:
@@ -61,5 +68,6 @@ def load_drafter(path: str | Path, target, allow_stale: bool = False):
 def target_to_load_on(target, path: str | Path):
     """The target object to load the drafter at `path` on: a drafter that trained the backbone
     (Medusa-2) injects its adapters into the target it is loaded on, so it gets its own copy."""
-    cfg = json.loads((Path(path) / "config.json").read_text()).get("drafter_config", {})
-    return copy.deepcopy(target) if cfg.get("backbone", "frozen") != "frozen" else target
+    meta = json.loads((Path(path) / "config.json").read_text())
+    module = drafter_module(meta.get("drafter", ""), f"{path}/config.json: drafter")
+    return copy.deepcopy(target) if module.trains_target(meta.get("drafter_config", {})) else target

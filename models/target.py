@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith import DraftsmithError
-from draftsmith.train import precision
+from draftsmith.util import precision
 
 EMBEDDED = {
     "smollm2-135m": {
@@ -115,7 +115,7 @@ def served_name(name: str) -> str:
 
 def load_target(name: str, dtype: str = "auto", cache_dir: str = "", device: str | torch.device = "cpu"):
     """Load (model, tokenizer); the target is always frozen and in eval mode. dtype: any name
-    train/precision.py accepts; `auto` = bf16 only where the device runs it natively."""
+    draftsmith/util/precision.py accepts; `auto` = bf16 only where the device runs it natively."""
     torch_dtype = precision.torch_dtype(dtype, "target dtype", device)
     where = resolve_target(name, cache_dir)
     try:

@@ -12,7 +12,7 @@ from draftsmith.data.features import target_features
 from draftsmith.models.registry import drafter_module
 from draftsmith.models.target import freeze
 from draftsmith.train.config import drafter_config, load_config
-from draftsmith.train.loop import _held_bytes, fsdp_shard_target
+from draftsmith.train.distributed import _held_bytes, fsdp_shard_target
 
 CASES = {  # family -> (overrides, tied embeddings, tokens on rank 0 / rank 1)
     # EAGLE-3 reads the target's lm_head in 4096-row chunks: rank 0 needs two calls, rank 1 one.

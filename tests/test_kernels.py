@@ -1,10 +1,10 @@
-"""Prepacked oneDNN linears (train/kernels.py): same numbers as torch's default, batch-invariant rows,
+"""Prepacked oneDNN linears (draftsmith/util/kernels.py): same numbers as torch's default, batch-invariant rows,
 training untouched, and everything restored after the block."""
 
 import pytest
 import torch
 
-from draftsmith.train.kernels import available, packed_linears
+from draftsmith.util.kernels import available, packed_linears
 
 pytestmark = pytest.mark.skipif(not available(), reason="this torch build has no oneDNN linear ops")
 

@@ -1,6 +1,6 @@
 import torch
 
-from draftsmith.train.losses import (expected_acceptance, forward_kl, smooth_l1_feature_loss, soft_cross_entropy,
+from draftsmith.util.losses import (expected_acceptance, forward_kl, smooth_l1_feature_loss, soft_cross_entropy,
                                      topk_distillation_loss)
 
 
@@ -43,7 +43,7 @@ def test_topk_distillation_is_soft_ce_over_the_teachers_top_k():
 
 
 # --- DistillSpec divergences -----------------------------------------------------------------------
-from draftsmith.train.losses import DIVERGENCES, jensen_shannon, reverse_kl, total_variation  # noqa: E402
+from draftsmith.util.losses import DIVERGENCES, jensen_shannon, reverse_kl, total_variation  # noqa: E402
 
 
 def test_every_divergence_is_zero_for_identical_distributions_and_positive_otherwise():

@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from draftsmith import DraftsmithError
-from draftsmith.train import precision
+from draftsmith.util import precision
 from draftsmith.train.config import load_config, resolve_precision
 
 

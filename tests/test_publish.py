@@ -169,7 +169,7 @@ def test_export_verify_reports_serving_parity_and_catches_a_bad_mapping(run, tin
                                                                         monkeypatch):
     import torch
 
-    from draftsmith.models import export as export_module
+    from draftsmith.models import eagle3
 
     args = ["export", str(run / "final"), "--format", "speculators", "--out", str(run / "spec"), "--verify",
             "--target", str(tiny_target_dir), "--data", str(chat_jsonl)]
@@ -185,14 +185,14 @@ def test_export_verify_reports_serving_parity_and_catches_a_bad_mapping(run, tin
         assert ran and float(ran[1]) < 1e-5 and int(ran[2]) > 0, out
     else:
         assert "speculators' own loader was not run (speculators is not installed)" in out
-    real = export_module.read_export
+    real = eagle3.read_export
 
-    def misread(path, family, target):  # a consumer that maps one tensor wrongly
-        state = real(path, family, target)
+    def misread(path, target):  # a consumer that maps one tensor wrongly
+        state = real(path, target)
         state["lm_head.weight"] = torch.flip(state["lm_head.weight"], dims=[0])
         return state
 
-    monkeypatch.setattr(export_module, "read_export", misread)
+    monkeypatch.setattr(eagle3, "read_export", misread)
     assert main(args) == 1
     captured = capsys.readouterr()
     assert "does not draft like the drafter" in captured.err
@@ -205,16 +205,17 @@ def test_speculators_forward_catches_what_the_load_check_and_our_reading_cannot(
     """Reversed aux layer ids in the exported config: every tensor still loads unchanged, and our own
     re-reading (which takes the layers from the draftsmith section) drafts the same, but speculators'
     forward fuses the wrong order of layers."""
-    from draftsmith.models import export as export_module
+    from draftsmith.models import eagle3
 
-    real = export_module._eagle3_speculators
+    real = eagle3.EXPORTS["speculators"]
 
-    def reversed_ids(drafter, meta, target):
-        config, state = real(drafter, meta, target)
+    def reversed_ids(drafter, cfg, target, meta, tok, out, info):
+        real(drafter, cfg, target, meta, tok, out, info)
+        config = json.loads((out / "config.json").read_text())
         config["eagle_aux_hidden_state_layer_ids"] = config["eagle_aux_hidden_state_layer_ids"][::-1]
-        return config, state
+        (out / "config.json").write_text(json.dumps(config))
 
-    monkeypatch.setattr(export_module, "_eagle3_speculators", reversed_ids)
+    monkeypatch.setitem(eagle3.EXPORTS, "speculators", reversed_ids)
     assert main(["export", str(run / "final"), "--format", "speculators", "--out", str(run / "spec"), "--verify",
                  "--target", str(tiny_target_dir), "--data", str(chat_jsonl)]) == 1
     out = capsys.readouterr().out

@@ -1,5 +1,5 @@
 """Typed configs: dataclass defaults < recipe YAML < `key=value` command-line overrides
-(the parsing itself is train/parse.py; unknown keys are errors naming the closest valid one)."""
+(the parsing itself is draftsmith/util/parse.py; unknown keys are errors naming the closest valid one)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
-from draftsmith.train import precision
-from draftsmith.train.parse import _merge, from_dict, parse_overrides, read_yaml
+from draftsmith.util import precision
+from draftsmith.util.parse import _merge, from_dict, parse_overrides, read_yaml
 
 
 @dataclass
@@ -90,7 +90,7 @@ class OptimConfig:
     clip_grad: float = 0.5
     mixed_precision: str = "auto"
     """`auto` (bf16 where the hardware runs it natively, else fp32), `no`/`fp32`, `bf16` or `fp16` (CUDA
-    only); see train/precision.py. Passed to accelerate."""
+    only); see draftsmith/util/precision.py. Passed to accelerate."""
     seed: int = 0
 
 
@@ -107,18 +107,25 @@ class EvalConfig:
     tree: str | None = None
     """Draft tree instead of a chain, e.g. `dynamic:depth=5,top_k=8,tokens=48` (see models/drafts.py)."""
     dtype: str = "auto"
-    """Target and drafter dtype in the eval stage: `auto`, `float32`/`no` or `bfloat16` (train/precision.py)."""
+    """Target and drafter dtype in the eval stage: `auto`, `float32`/`no` or `bfloat16` (draftsmith/util/precision.py)."""
     general_holdout: str = ""
     """With `init_from` (domain fine-tuning): a second holdout, e.g. the init's own domain. The eval then
     reports τ on both holdouts before (the init) and after fine-tuning, side by side."""
+
+
+def _default_drafter() -> str:
+    from draftsmith.models.registry import DEFAULT_DRAFTER
+
+    return DEFAULT_DRAFTER
 
 
 @dataclass
 class Config:
     target: str = "smollm2-135m"
     """Hub id, local folder, `.gguf` file, or the embedded alias `smollm2-135m`."""
-    drafter: dict = field(default_factory=lambda: {"type": "eagle"})
-    """`type` picks a family in models/registry.py; the other keys are that family's config."""
+    drafter: dict = field(default_factory=lambda: {"type": _default_drafter()})
+    """`type` picks a family in models/registry.py (default: its DEFAULT_DRAFTER); the other keys are
+    that family's config."""
     init_from: str = ""
     """Start from a trained drafter of the same family: a draftsmith `final/` folder or any format
     `draftsmith export` writes (vLLM/SGLang EAGLE, official or speculators EAGLE-3, vLLM Medusa, a
@@ -169,7 +176,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
     where = str(recipe) if recipe else "config"
     cfg = from_dict(Config, raw, where)
     drafter = dict(cfg.drafter)
-    module = drafter_module(drafter.pop("type", "eagle"), f"{where}: drafter.type")
+    module = drafter_module(drafter.pop("type", _default_drafter()), f"{where}: drafter.type")
     # Validate now so a typo fails before any model is loaded; keep the dict form in Config.
     dcfg = from_dict(module.DrafterConfig, drafter, f"{where}: drafter")
     cfg.drafter = {"type": module.NAME, **drafter}

@@ -4,26 +4,23 @@ Read top to bottom: set up (target, data, drafter, optimizer), optionally resume
 loop of micro-steps. The data order is a pure function of (seed, epoch) and each *global*
 micro-batch is cut into equal per-rank slices, so 1 process and N processes see the same global
 batches and (with losses normalised by the global token count) reach the same weights: under DDP
-and under DeepSpeed ZeRO-2/3 alike (the DeepSpeed specifics are the small helpers at the bottom).
+and under DeepSpeed ZeRO-2/3 alike (the DeepSpeed and FSDP specifics are in train/distributed.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-from dataclasses import asdict
-from datetime import timedelta
-from contextlib import contextmanager, nullcontext
 import math
 import resource
 import time
+from contextlib import nullcontext
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs, set_seed
+from accelerate.utils import DistributedType, set_seed
 from tqdm import tqdm
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
@@ -41,8 +38,10 @@ from draftsmith.eval.run import evaluate_drafter
 from draftsmith.models.target import cache_root, ensure_pad, fingerprint, load_target
 from draftsmith.train import checkpoint
 from draftsmith.train.config import Config, drafter_config, resolve_precision
-from draftsmith.train.parse import save_yaml, to_dict
-from draftsmith.train.precision import ACCELERATE, TORCH, describe, hardware
+from draftsmith.train.distributed import (autocast, deepspeed_backward, fill_deepspeed_config, fits_whole,
+                                          fsdp_shard_target, make_accelerator, shard_target, whole_weights)
+from draftsmith.util.parse import save_yaml, to_dict
+from draftsmith.util.precision import describe, hardware
 
 SCHEDULES = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup,
              "constant": get_constant_schedule_with_warmup}
@@ -243,32 +242,39 @@ def train(cfg: Config) -> Path:
         accelerator.end_training()
         return run_dir
     if cfg.eval.enabled:
-        with whole_weights(accelerator):
-            # Under ZeRO-3 and FSDP this rank holds a shard of the target: load it whole. Under
-            # DeepSpeed and FSDP the drafter is sharded (or bf16 copies of fp32 masters): evaluate final/.
-            if zero == 3 or fsdp or cfg.eval.dtype != cfg.target_dtype:  # e.g. trained on bf16 features, evaluated in fp32
-                target, _ = load_target(cfg.target, cfg.eval.dtype, cfg.cache_dir, accelerator.device)
-            drafter = load_drafter(final, target_to_load_on(target, final))[2] if zero or fsdp \
-                else accelerator.unwrap_model(drafter)
-        param = next(target.parameters())
-        drafter = drafter.to(param.dtype).eval()
-        kwargs = dict(k=cfg.eval.k, num_prompts=cfg.eval.num_prompts, max_new_tokens=cfg.eval.max_new_tokens,
-                      target_name=cfg.target, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, tree=cfg.eval.tree,
-                      split=cfg.data.holdout_split or cfg.data.split)
-        report = evaluate_drafter(module, drafter, dcfg, target, tok, cfg.data.holdout, run_dir / "eval", **kwargs)
-        print0(format_table([report]))
-        if init_state is not None:  # fine-tuned: the init's τ and ours, on the domain and the general holdout
-            holdouts = [cfg.data.holdout] + [h for h in [cfg.eval.general_holdout] if h and h != cfg.data.holdout]
-            rows = [("after", report)] + [("after", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, **kwargs))
-                                          for h in holdouts[1:]]
-            drafter.load_state_dict(init_state)
-            rows += [("before", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, **kwargs)) for h in holdouts]
-            print0(write_before_after(rows, run_dir / "eval"))
+        eval_stage(cfg, accelerator, module, dcfg, drafter, target, tok, final, init_state)
         phases["eval"] = time.perf_counter() - t_phase
     (run_dir / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in phases.items()}, indent=1))
     print0("wall time: " + " | ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items()))
     accelerator.end_training()  # also tears down the process group, so it comes last
     return run_dir
+
+
+def eval_stage(cfg: Config, accelerator, module, dcfg, drafter, target, tok, final: Path, init_state) -> dict:
+    """The run's eval on its domain holdout (rank 0 alone), written to RUN/eval/; after a fine-tune
+    (`init_state`: the init's weights) also before/after on the domain and the general holdout."""
+    zero, fsdp = checkpoint.zero_stage(accelerator), accelerator.distributed_type == DistributedType.FSDP
+    with whole_weights(accelerator):
+        # Under ZeRO-3 and FSDP this rank holds a shard of the target: load it whole. Under
+        # DeepSpeed and FSDP the drafter is sharded (or bf16 copies of fp32 masters): evaluate final/.
+        if zero == 3 or fsdp or cfg.eval.dtype != cfg.target_dtype:  # e.g. trained on bf16 features, evaluated in fp32
+            target, _ = load_target(cfg.target, cfg.eval.dtype, cfg.cache_dir, accelerator.device)
+        drafter = load_drafter(final, target_to_load_on(target, final))[2] if zero or fsdp \
+            else accelerator.unwrap_model(drafter)
+    drafter = drafter.to(next(target.parameters()).dtype).eval()
+    kwargs = dict(k=cfg.eval.k, num_prompts=cfg.eval.num_prompts, max_new_tokens=cfg.eval.max_new_tokens,
+                  target_name=cfg.target, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, tree=cfg.eval.tree,
+                  split=cfg.data.holdout_split or cfg.data.split)
+    report = evaluate_drafter(module, drafter, dcfg, target, tok, cfg.data.holdout, cfg.run_dir / "eval", **kwargs)
+    accelerator.print(format_table([report]))
+    if init_state is not None:  # fine-tuned: the init's τ and ours, on the domain and the general holdout
+        holdouts = [cfg.data.holdout] + [h for h in [cfg.eval.general_holdout] if h and h != cfg.data.holdout]
+        rows = [("after", report)] + [("after", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, **kwargs))
+                                      for h in holdouts[1:]]
+        drafter.load_state_dict(init_state)
+        rows += [("before", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, **kwargs)) for h in holdouts]
+        accelerator.print(write_before_after(rows, cfg.run_dir / "eval"))
+    return report
 
 
 def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], shard: Shard):
@@ -304,210 +310,6 @@ def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], sha
         if not (cache / "index.json").is_file():
             write_cache(target, ds, names, cache, fp, tok.pad_token_id, shard=shard)
     return ds, cache or None
-
-
-# --- DeepSpeed ------------------------------------------------------------------------------------
-# accelerate runs DeepSpeed for `accelerate launch --config_file recipes/accelerate/zero{2,3}.yaml`
-# (env ACCELERATE_USE_DEEPSPEED) or when given a DeepSpeedPlugin (the recipe's `deepspeed:` key, for
-# torchrun launches). What it does not do for this loop is below, each with why.
-
-def make_accelerator(cfg: Config) -> Accelerator:
-    """The Accelerator for this launch: DDP / one process, or DeepSpeed."""
-    # How long a rank may wait in one collective before the run fails (torch's default is 10 min for
-    # NCCL, 30 for gloo): the recipe's, since long phases never sit inside one (data/sharding.py).
-    timeout = timedelta(minutes=cfg.dist_timeout_minutes)
-    kwargs = dict(mixed_precision=ACCELERATE[cfg.optim.mixed_precision], project_dir=str(cfg.run_dir),
-                  log_with=None if cfg.tracker == "none" else cfg.tracker,
-                  kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
-    use_ds = bool(cfg.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if cfg.deepspeed:
-        # zero3_init_flag=False: the target is loaded whole and sharded explicitly (shard_target).
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed, zero3_init_flag=False)
-    if use_ds:  # what accelerate would adopt from the DeepSpeed config anyway, minus its mismatch warning
-        kwargs["gradient_accumulation_steps"] = cfg.optim.grad_accum
-    cpu = not torch.cuda.is_available()
-    if cpu and use_ds:
-        # accelerate enables DeepSpeed only with cpu=False, and without CUDA it then finds no process
-        # group backend and counts the world as 1. Naming gloo (what DeepSpeed's CPU accelerator uses
-        # too) gives it the real world size; each rank still needs a launcher (torchrun) to exist.
-        if "LOCAL_RANK" not in os.environ:
-            raise DraftsmithError("DeepSpeed without CUDA needs a distributed launcher: torchrun --nproc_per_node N "
-                                  "-m draftsmith.cli train ... (or launch.sh --preset zero3 --cpu-procs N)")
-        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
-        cpu = False
-    if cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        # accelerate enables FSDP only on accelerators and otherwise prepares bare modules: every rank
-        # would train on its own, silently. (tests/test_fsdp.py runs this loop under FSDP on CPUs by
-        # giving the Accelerator the state it has on GPUs.)
-        raise DraftsmithError("the fsdp preset needs GPUs: accelerate enables FSDP only on accelerators; on CPUs "
-                              "use --preset zero3 (which shards the target too) or zero2")
-    # Otherwise, without CUDA, cpu=True makes a multi-process launch (torchrun / accelerate --multi_gpu)
-    # form a gloo process group instead of N independent single-process runs.
-    accelerator = Accelerator(cpu=cpu, **kwargs)
-    if use_ds and accelerator.distributed_type != DistributedType.DEEPSPEED:  # e.g. ACCELERATE_USE_CPU=1 wins
-        raise DraftsmithError(f"DeepSpeed was asked for, but accelerate set up {accelerator.distributed_type.value} "
-                              "(is ACCELERATE_USE_CPU set?)")
-    return accelerator
-
-
-def fill_deepspeed_config(accelerator: Accelerator, cfg: Config, hidden: int) -> None:
-    """Under DeepSpeed the engine accumulates gradients and clips them, so its config must say what the
-    recipe says: `auto` (or absent) takes the recipe's value, and a different number is an error
-    rather than a silent override (accelerate would fill `auto` clipping with 1.0, and it cannot
-    size micro-batches without a prepared DataLoader). ZeRO's `auto` bucket sizes come from the
-    target's hidden size (accelerate's formulas; it looks for a `.config` drafters need not have)."""
-    ds, o = accelerator.state.deepspeed_plugin.deepspeed_config, cfg.optim
-    zero = ds.setdefault("zero_optimization", {})
-    for key, value in {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-                       "stage3_param_persistence_threshold": 10 * hidden}.items():
-        if zero.get(key) == "auto":
-            zero[key] = value
-    source = cfg.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "the DeepSpeed config")
-    wanted = {"gradient_accumulation_steps": ("optim.grad_accum", o.grad_accum),
-              "gradient_clipping": ("optim.clip_grad", o.clip_grad),
-              "train_micro_batch_size_per_gpu": ("optim.batch_size", o.batch_size),
-              "train_batch_size": ("optim.batch_size x processes x optim.grad_accum",
-                                   o.batch_size * accelerator.num_processes * o.grad_accum)}
-    for key, (name, value) in wanted.items():
-        have = ds.get(key, "auto")
-        if have == "auto":
-            ds[key] = value
-        elif float(have) != float(value):
-            raise DraftsmithError(f"{source}: {key} is {have} but {name} is {value}; set it to \"auto\" "
-                                  "(filled from the recipe) or to the same value")
-
-
-@contextmanager
-def whole_weights(accelerator: Accelerator):
-    """Load models whole. accelerate registers a ZeRO-3 config with transformers (whatever
-    zero3_init_flag says), and from_pretrained then builds every model partitioned under
-    deepspeed.zero.Init. But the target's fingerprint, feature cache, regeneration and the drafter's
-    initialisation (lm_head rows, layer copies) read its weights on one rank, and the eval stage
-    runs on rank 0 alone. The registration comes back afterwards: generate() reads it to keep
-    ZeRO-3 ranks in step (on-policy distillation)."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
-        yield
-        return
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
-
-
-def shard_target(accelerator: Accelerator, target, shares_weights: bool = False):
-    """ZeRO-3: partition the frozen target over the ranks too, as TRL does for reference models. An
-    engine without an optimizer keeps 1/world of each parameter per rank and gathers a module's
-    weights only while it runs (forward, and backward through it: EAGLE's loss goes through the
-    target's lm_head); nothing requires grad, so there are no gradients or optimizer state. Returns
-    that engine, or None when the target's weights already belong to the drafter's engine (Medusa-2's
-    LoRA backbone, a Medusa head sharing the lm_head): the rest of the target then stays whole."""
-    import deepspeed
-
-    if shares_weights:
-        accelerator.print("target: its weights are part of the drafter, sharded with it by the drafter's engine")
-        return None
-    ds, h = accelerator.state.deepspeed_plugin.deepspeed_config, target.config.get_text_config().hidden_size
-    dtype, full = next(target.parameters()).dtype, _held_bytes(target)
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 10 * h,  # accelerate's sizes for `auto`:
-            "stage3_prefetch_bucket_size": int(0.9 * h * h), "reduce_bucket_size": h * h}  # norms stay whole
-    if "offload_param" in ds["zero_optimization"]:  # zero3-offload: the target's shards go to CPU RAM too
-        zero["offload_param"] = ds["zero_optimization"]["offload_param"]
-    config = {"train_micro_batch_size_per_gpu": ds["train_micro_batch_size_per_gpu"],
-              "gradient_accumulation_steps": ds["gradient_accumulation_steps"], "zero_optimization": zero,
-              # the target keeps target_dtype whatever precision the drafter trains in
-              "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
-    # Partition each parameter onto this rank's device, one at a time (from CPU RAM for a target too
-    # big for one GPU); the engine then leaves placement alone, so the buffers (rotary) move here.
-    deepspeed.zero.Init(module=target, config_dict_or_path=config, mem_efficient_linear=False)
-    for buffer in target.buffers():
-        buffer.data = buffer.data.to(accelerator.device)
-    engine = deepspeed.initialize(model=target, config=config)[0]
-    held = accelerator.gather(torch.tensor([_held_bytes(target)], device=accelerator.device)).tolist()
-    accelerator.print(f"target sharded by ZeRO-3: {' / '.join(f'{b / 2**20:.2f}' for b in held)} MiB per rank "
-                      f"of {full / 2**20:.2f} MiB (per-rank bytes {held}, full {full})")
-    return engine
-
-
-def fits_whole(model, device: torch.device) -> bool:
-    """Whether a whole copy of `model` fits in half of the device's free memory (CPU RAM: it is there)."""
-    if device.type != "cuda":
-        return True
-    return _held_bytes(model) < 0.5 * torch.cuda.mem_get_info(device)[0]
-
-
-def _held_bytes(model) -> int:
-    """Parameter bytes this rank holds: its ZeRO-3 / FSDP shard plus whatever is whole (persistent or
-    gathered parameters, or all of them before sharding)."""
-    def local(p):  # an FSDP2 parameter is a DTensor: its local shard; a ZeRO-3 one keeps ds_tensor
-        return p.to_local() if hasattr(p, "to_local") else p.data
-
-    return sum((local(p).numel() + (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else 0)) * p.element_size()
-               for p in model.parameters())
-
-
-# --- FSDP -----------------------------------------------------------------------------------------
-# accelerate's FSDP plugin (recipes/accelerate/fsdp.yaml, FSDP2) shards the drafter it prepares; the
-# frozen target is not prepared (nothing to optimise), so it is sharded here with the same engine.
-
-def fsdp_shard_target(accelerator: Accelerator, target, shares_weights: bool = False) -> None:
-    """Shard the frozen target with torch's FSDP2 (`fully_shard`): each rank keeps 1/world of every
-    parameter and a unit's weights are all-gathered only while it runs. Nothing requires grad, so
-    there are no gradients or optimizer state, but gradients flow through it (EAGLE's loss goes
-    through the target's lm_head). The loop calls the target's parts separately (its decoder for
-    features, lm_head for teacher distributions, input embeddings for EAGLE's token inputs), so each
-    is a unit of its own: every decoder layer, the final norm, and the embeddings with lm_head as one
-    group (they may be one tied tensor). The decoder is not a unit: fully_shard swaps a module's
-    class, and transformers finds what a model can record (output_hidden_states) by its class. The
-    model is, as FSDP's root (one forward on one token initialises it). A target whose weights
-    belong to the drafter (Medusa-2's LoRA backbone, heads sharing lm_head) stays as prepared."""
-    if shares_weights:
-        accelerator.print("target: its weights are part of the drafter, sharded with it by FSDP")
-        return
-    from torch.distributed.fsdp import fully_shard
-
-    full, decoder = _held_bytes(target), target.get_decoder()
-    for layer in decoder.layers:
-        fully_shard(layer)
-    fully_shard(decoder.norm)
-    fully_shard([target.get_input_embeddings(), target.get_output_embeddings()])
-    fully_shard(target)
-    with torch.no_grad():  # one root forward (every rank): initialises FSDP with the model as its root
-        target(input_ids=torch.zeros(1, 1, dtype=torch.long, device=accelerator.device))
-    held = accelerator.gather(torch.tensor([_held_bytes(target)], device=accelerator.device)).tolist()
-    accelerator.print(f"target sharded by FSDP: {' / '.join(f'{b / 2**20:.2f}' for b in held)} MiB per rank "
-                      f"of {full / 2**20:.2f} MiB (per-rank bytes {held}, full {full})")
-
-
-def autocast(accelerator: Accelerator, cfg: Config, zero: int):
-    """The recipe's mixed precision around forward and loss. accelerate leaves it to DeepSpeed, whose
-    engine casts the drafter's weights to bf16/fp16 (fp32 masters in the optimizer) but autocasts
-    nothing, while the target's features and the losses around the drafter are the same tensors as
-    under DDP (fp32 with an fp32 target): torch's autocast makes them meet as under DDP."""
-    if not zero or cfg.optim.mixed_precision == "float32":
-        return accelerator.autocast()
-    return torch.autocast(accelerator.device.type, dtype=TORCH[cfg.optim.mixed_precision])
-
-
-def deepspeed_backward(engine, loss: torch.Tensor, sync: bool, sharded=None) -> None:
-    """Backward through the DeepSpeed engine and, at the end of an accumulation, its optimizer step.
-
-    accelerate's backward takes the accumulation boundary from its own GradientState, which this
-    loop's manual accumulation does not drive, and would step every micro-batch; the boundary is
-    set here from the loop's counter instead. The loss is already divided by grad_accum as for DDP,
-    hence scale_wrt_gas=False; the engine averages gradients over ranks as DDP does, clips them to
-    gradient_clipping (= optim.clip_grad) and steps at the boundary (lr: the loop's scheduler, which
-    sets the same param-group dicts). The sharded target's submodules are called directly, never
-    its top-level forward whose hook ends ZeRO-3's fetch trace, so this pass is ended here."""
-    engine.set_gradient_accumulation_boundary(sync)
-    engine.backward(loss, scale_wrt_gas=False)
-    if sync:
-        engine.step()
-    if sharded is not None:
-        sharded.optimizer.get_param_coordinator().reset_step()
 
 
 def _summarise(sums: dict, seconds: float, lr: float) -> dict:

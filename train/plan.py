@@ -17,18 +17,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import lora_config
-from draftsmith.models.known import KNOWN_CONFIGS, known_config
+from draftsmith.models.known import model_config
 from draftsmith.models.registry import drafter_module
-from draftsmith.models.target import resolve_target
-from draftsmith.train import precision
+from draftsmith.util import precision
 from draftsmith.train.config import Config, drafter_config
 
 # Which of (target weights, drafter weights, gradients, optimizer state) each preset shards over the
-# ranks, and which it moves to CPU RAM. ZeRO-3 shards the frozen target too (train/loop.py
+# ranks, and which it moves to CPU RAM. ZeRO-3 shards the frozen target too (train/distributed.py
 # `shard_target`, an optimizer-less DeepSpeed engine), and so does FSDP (`fsdp_shard_target`, FSDP2).
 PRESETS = {
     "single-gpu": {"shard": (), "offload": ()},
@@ -47,35 +45,8 @@ def target_bytes(cfg: Config) -> int:
     return 4 if precision.canonical(cfg.target_dtype, "target_dtype") == "float32" else 2
 
 
-def model_config(name: str, cache_dir: str = "", what: str = "target"):
-    """The config of a target or a distill student (`what` names it in the error): the published one
-    for the models of models/known.py, so every GPU recipe plans offline, else its config.json."""
-    known = known_config(name)
-    if known is not None:
-        return known
-    try:
-        return AutoConfig.from_pretrained(resolve_target(name, cache_dir))
-    except OSError as e:
-        raise DraftsmithError(f"plan: cannot read the config of {what} '{name}' ({str(e).splitlines()[0]}); "
-                              f"known offline: {', '.join(KNOWN_CONFIGS)}") from None
-
-
 def target_config(name: str, cache_dir: str = ""):
     return model_config(name, cache_dir, "target")
-
-
-def build_drafter(module, dcfg, target, cache_dir: str = ""):
-    """The drafter as module.build makes it, on the meta device. A distill student named by id or
-    folder is the exception: its build downloads the student's weights and tokenizer, so here it is
-    made from its config alone, with the LoRA adapters its build would add."""
-    if module.NAME != "distill" or dcfg.init == "truncate":
-        return module.build(dcfg, target)
-    student = AutoModelForCausalLM.from_config(model_config(dcfg.init, cache_dir, "drafter.init")).requires_grad_(True)
-    if dcfg.lora_rank:
-        from peft import get_peft_model
-
-        student = get_peft_model(student, lora_config(dcfg, student))
-    return student
 
 
 @dataclass
@@ -91,41 +62,21 @@ def sizes(cfg: Config, tc) -> Sizes:
     module, dcfg = drafter_module(cfg.drafter["type"]), drafter_config(cfg)
     with torch.device("meta"):
         target = AutoModelForCausalLM.from_config(tc).requires_grad_(False)
-        drafter = build_drafter(module, dcfg, target, cfg.cache_dir)
+        drafter = module.build(dcfg, target)  # on the meta device: from configs alone
     target_ids = {id(p) for p in target.parameters()}
     own = [p for p in drafter.parameters() if id(p) not in target_ids]
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     b_t = target_bytes(cfg)
-    H, I, V = tc.hidden_size, tc.intermediate_size, tc.vocab_size
     B, T = cfg.optim.batch_size, cfg.data.max_length
     n = B * T  # tokens per micro-batch per rank, every row full length
-    # Element sizes: activations in the autocast dtype; every loss casts its logits to fp32.
-    # (`auto` is bf16 on the GPUs this plans for.)
-    e, f = 4 if precision.canonical(cfg.optim.mixed_precision, "optim.mixed_precision") == "float32" else 2, 4
+    # Activations in the autocast dtype (`auto` is bf16 on the GPUs this plans for); every loss casts
+    # its logits to fp32.
+    e = 4 if precision.canonical(cfg.optim.mixed_precision, "optim.mixed_precision") == "float32" else 2
     names = module.feature_names(dcfg, tc)
-    feat_dims = sum(int(x.split(".")[1]) * 2 + 1 if x.startswith("logits_topk.") else H for x in names)
-    layer = e * (10 * H + 4 * I)  # bytes per token per decoder layer kept for backward (flash/SDPA attention)
-    d = dcfg.__dict__
-    # What is live at the step's peak: the [n, vocab] fp32 buffers of each loss, counted in the
-    # family's compute_loss (eval/bench/memory.py measures them), plus the decoder layers' activations.
-    if module.NAME in ("eagle", "eagle3"):
-        steps, vd = d.get("ttt_steps", 1), d.get("draft_vocab_size") or V
-        # the target's draft-vocab distribution and one copy per step's labels; per step the logits,
-        # softmax, log-softmax kept for backward; one transient product; the TTT masks (one [t, t(j+1)]
-        # block row per step, materialised in the activation dtype by SDPA)
-        unroll = n * f * vd * (2 + 4 * steps) + n * steps * layer + e * B * T * T * steps * (steps + 1) // 2
-        # ... unless the teacher's pass before it is higher: one full-vocabulary chunk of 4096 rows
-        act = max(unroll, f * (min(n, 4096) * V + 2 * n * vd))
-    elif module.NAME == "medusa":
-        heads, vd = d["num_heads"], d.get("draft_vocab_size") or V
-        # per head its logits, log-softmax and the soft labels' slice; the teacher's distribution once
-        act = n * heads * (f * 3 * vd + e * 8 * H) + n * f * V
-        if d.get("backbone", "frozen") != "frozen":  # the backbone's own logits and its KL to the original:
-            act += n * tc.num_hidden_layers * layer + n * f * 7 * V  # gradients flow through every layer
-    else:  # distill: the student's layers, at its own width (a hub student is narrower than the target);
-        # its logits, their log-softmax and the divergence's terms, the teacher's
-        sc = drafter.config
-        act = n * sc.num_hidden_layers * e * (10 * sc.hidden_size + 4 * sc.intermediate_size) + n * f * 7 * V
+    feat_dims = sum(int(x.split(".")[1]) * 2 + 1 if x.startswith("logits_topk.") else tc.hidden_size for x in names)
+    # What is live at the step's peak: the [n, vocab] fp32 buffers of the family's loss (counted in its
+    # compute_loss; eval/bench/memory.py measures them) plus the activations of the layers it trains.
+    act = module.activation_bytes(dcfg, tc, drafter, B, T, e)
     act += n * b_t * feat_dims  # the target's features the family reads (online or from the cache)
     return Sizes(sum(p.numel() for p in target.parameters()), sum(p.numel() for p in own), trainable, act,
                  feat_dims * b_t)

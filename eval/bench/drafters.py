@@ -34,7 +34,7 @@ from draftsmith.eval.run import backbone_drift, evaluate
 from draftsmith.eval.speculative import target_decode
 from draftsmith.models.registry import load_drafter, target_to_load_on
 from draftsmith.models.target import ensure_pad, load_target
-from draftsmith.train.precision import DTYPE_HELP, dtype_arg
+from draftsmith.util.precision import DTYPE_HELP, dtype_arg
 
 
 class TimedProposer:
@@ -174,7 +174,7 @@ def main(argv=None) -> None:
                                                             args.max_new_tokens)
             print(f"{name}: per-head top-1 on the holdout {costs[name]['head_top1']}")
         if verifier is not own:
-            with drafter.original() as original:
+            with module.original(drafter, own) as original:
                 costs[name]["drift"] = backbone_drift(original, verifier, tok, args.data, module.make_proposer(
                     drafter, verifier, dcfg), k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
             print(f"{name}: backbone drift {costs[name]['drift']}")

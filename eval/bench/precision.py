@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from draftsmith.models import eagle3
 from draftsmith.models.target import load_target
-from draftsmith.train import precision
+from draftsmith.util import precision
 
 
 def median_s(fn, reps: int) -> float:

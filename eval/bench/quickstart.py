@@ -20,7 +20,7 @@ from draftsmith.eval.report import format_table
 from draftsmith.eval.run import evaluate, make_baseline
 from draftsmith.models.registry import load_drafter
 from draftsmith.models.target import ensure_pad, load_target
-from draftsmith.train import precision
+from draftsmith.util import precision
 
 
 def main(argv=None) -> None:

@@ -24,7 +24,7 @@ from draftsmith.data.regenerate import regenerate, regenerate_vllm
 from draftsmith.models.registry import drafter_module
 from draftsmith.models.target import ensure_pad, fingerprint, load_target, resolve_target
 from draftsmith.train.config import drafter_config, load_config
-from draftsmith.train.precision import hardware
+from draftsmith.util.precision import hardware
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.train import precision
+from draftsmith.util import precision
 
 ROOT = Path(__file__).resolve().parents[2]
 SETUPS = {  # name -> launch.sh flags, given the process count

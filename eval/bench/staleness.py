@@ -34,7 +34,7 @@ from draftsmith.eval.report import format_table
 from draftsmith.eval.run import backbone_drift, evaluate
 from draftsmith.models.registry import load_drafter
 from draftsmith.models.target import ensure_pad, fingerprint, load_target
-from draftsmith.train import precision
+from draftsmith.util import precision
 
 
 def update_target(target, tok, data: str, out: Path, steps: int, batch_size: int, lr: float, rank: int,

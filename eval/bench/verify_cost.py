@@ -3,7 +3,7 @@
     python -m draftsmith.eval.bench.verify_cost --dtypes float32 bfloat16
 
 For each precision and each set of kernels (torch's default, and the prepacked oneDNN linears the
-eval stage decodes with in fp32 on CPU, train/kernels.py): the wall time of one target forward over
+eval stage decodes with in fp32 on CPU, draftsmith/util/kernels.py): the wall time of one target forward over
 n new tokens on top of a 200-token KV cache, for n = 1 (plain decoding) up to 32 (a large tree),
 median of 7, and its ratio to n = 1. Speculation pays only while tau grows faster than this ratio
 plus the drafting time.
@@ -18,9 +18,9 @@ import time
 import torch
 from transformers import DynamicCache
 
-from draftsmith.train.kernels import packed_linears
+from draftsmith.util.kernels import packed_linears
 from draftsmith.models.target import load_target
-from draftsmith.train.precision import describe, dtype_arg, hardware
+from draftsmith.util.precision import describe, dtype_arg, hardware
 
 
 @torch.no_grad()
