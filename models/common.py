@@ -187,6 +187,11 @@ def trains_target_never(drafter_config: dict) -> bool:
     return False
 
 
+def no_held_out_metrics(drafter, verifier, sequences) -> dict:
+    """`held_out_metrics` of a family with nothing to add to the eval's figures (benchmarks)."""
+    return {}
+
+
 def no_consumer_check(exported, target, ours, prompt_ids) -> None:
     """`consumer_check` of a family whose formats' engine-side loaders draftsmith does not run."""
     return None

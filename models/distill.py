@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import collate
 from draftsmith.data.features import target_features, unpack_topk
-from draftsmith.models.common import (crop_cache, frozen_target, keep_config, layer_activation_bytes, lora_config,
+from draftsmith.models.common import (no_held_out_metrics, crop_cache, frozen_target, keep_config, layer_activation_bytes, lora_config,
                                       no_consumer_check, single_group, StudentProposer, target_as_original,
                                       trains_target_never, vllm_method, vllm_snippet)
 from draftsmith.util.losses import DIVERGENCES, expected_acceptance
@@ -349,3 +349,7 @@ def activation_bytes(cfg: DrafterConfig, tc, student, batch: int, length: int, e
     logits, their log-softmax and the divergence's terms, the teacher's."""
     sc, n = student.config, batch * length
     return n * sc.num_hidden_layers * layer_activation_bytes(sc.hidden_size, sc.intermediate_size, elem) + n * 4 * 7 * tc.vocab_size
+
+
+DEFAULT_TREE = None  # benchmarks' tree: none, a student drafts chains
+held_out_metrics = no_held_out_metrics  # nothing beyond the eval's own figures

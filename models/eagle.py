@@ -21,7 +21,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from draftsmith.models.common import (exported_weights, FeatureProposer, from_exported_head, frozen_target,
+from draftsmith.models.common import (no_held_out_metrics, exported_weights, FeatureProposer, from_exported_head, frozen_target,
                                       keep_config, layer_activation_bytes, llama_dims, no_consumer_check, renamed,
                                       single_group, target_as_original, trains_target_never, ttt_mask, vllm_method,
                                       vllm_snippet, write_tensors)
@@ -255,3 +255,7 @@ def sglang_snippet(algorithm: str, repo_id: str, target: str, k: int) -> str:
     return (f"```bash\npython -m sglang.launch_server --model {target} --speculative-algorithm {algorithm} \\\n"
             f"  --speculative-draft-model-path {repo_id} --speculative-num-steps {k} \\\n"
             f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}\n```")
+
+
+DEFAULT_TREE = "dynamic:depth=3,top_k=3,tokens=8"  # benchmarks' tree (EAGLE-2 dynamic)
+held_out_metrics = no_held_out_metrics  # nothing beyond the eval's own figures

@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from draftsmith import DraftsmithError
 from draftsmith.data.features import target_features
-from draftsmith.models.common import (causal_mask, draft_vocab, exported_weights, FeatureProposer,
+from draftsmith.models.common import (no_held_out_metrics, causal_mask, draft_vocab, exported_weights, FeatureProposer,
                                       from_exported_head, frozen_target, llama_dims, logit_diff, max_over_ranks,
                                       renamed, single_group, target_as_original, trains_target_never, ttt_mask,
                                       vllm_method, vllm_snippet, write_tensors)
@@ -464,3 +464,7 @@ def _to_target_vocab(small: torch.Tensor, d2t: torch.Tensor, vocab: int) -> torc
     d2t is ours: target id = draft id + d2t[draft id]."""
     ids = torch.arange(small.shape[-1], device=small.device)
     return small.new_full((small.shape[0], vocab), float("-inf")).index_copy(-1, ids + d2t[ids], small)
+
+
+DEFAULT_TREE = "dynamic:depth=3,top_k=3,tokens=8"  # benchmarks' tree (EAGLE-2 dynamic)
+held_out_metrics = no_held_out_metrics  # nothing beyond the eval's own figures

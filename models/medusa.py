@@ -522,3 +522,28 @@ def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, e
     if cfg.backbone != "frozen":
         act += n * tc.num_hidden_layers * layer_activation_bytes(h, tc.intermediate_size, elem) + n * f * 7 * tc.vocab_size
     return act
+
+
+DEFAULT_TREE = "static:recipes/trees/medusa-4heads.json"  # benchmarks' tree: static top-k per head
+
+
+@torch.no_grad()
+def held_out_metrics(drafter, verifier, sequences) -> dict:
+    """Per head k: how often its top-1 at position t is token t+k+2 of the verifier's own greedy answer,
+    over the answer's positions (from the last prompt token on). `sequences()` -> [(prompt length,
+    prompt + answer ids)], computed only when asked."""
+    from draftsmith.data.features import target_features
+
+    heads = getattr(drafter, "heads", drafter)  # Medusa-2: the drafting part, without the backbone
+    k_heads, device = len(heads.blocks), heads.blocks[0].layers[0].linear.weight.device
+    hits, counts = [0] * k_heads, [0] * k_heads
+    for n_prompt, ids in sequences():
+        full = torch.tensor([ids], device=device)
+        h = target_features(verifier, {"input_ids": full}, ("last_hidden",))["last_hidden"][0].to(heads.dtype)
+        for k in range(k_heads):
+            ts = list(range(n_prompt - 1, full.shape[1] - k - 2))
+            if ts:
+                pred = heads.to_target(heads.head_logits(h[ts], k).argmax(-1))
+                hits[k] += int((pred == full[0, [t + k + 2 for t in ts]]).sum())
+                counts[k] += len(ts)
+    return {"head_top1": [round(h / max(c, 1), 4) for h, c in zip(hits, counts)]}

@@ -31,8 +31,8 @@ INTERFACE = ("NAME", "DrafterConfig", "feature_names", "max_draft_depth", "build
              "EXPORTS", "recognises", "read_export", "from_export", "serving_snippet", "consumer_check",
              # a family that trains the target: whether it needs its own copy, and the target before training
              "trains_target", "original",
-             # `plan`: activation bytes at the step's peak
-             "activation_bytes")
+             # `plan`: activation bytes at the step's peak; benchmarks: the default tree, extra held-out figures
+             "activation_bytes", "DEFAULT_TREE", "held_out_metrics")
 
 
 def drafter_module(name: str, where: str = "drafter.type") -> ModuleType:

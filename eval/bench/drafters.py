@@ -23,10 +23,8 @@ import resource
 import time
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from draftsmith.data.features import target_features
 from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.data.regenerate import eos_ids
 from draftsmith.eval.report import format_table
@@ -87,31 +85,11 @@ def draft_vocab_size(drafter, target) -> int:
     return head.out_features if head is not None else target.config.vocab_size
 
 
-@torch.no_grad()
-def medusa_head_accuracy(heads, verifier, tok, holdout: str, num_prompts: int, max_new_tokens: int) -> list[float]:
-    """Per Medusa head k: how often its top-1 at position t is token t+k+2 of the verifier's own greedy
-    answer to a holdout prompt, over the answer's positions (from the last prompt token on)."""
-    eos, k_heads = eos_ids(verifier, tok), len(heads.blocks)
-    hits, counts = [0] * k_heads, [0] * k_heads
-    for prompt in load_prompts(holdout, num_prompts):
-        ids = encode_prompt(tok, prompt)
-        full = torch.tensor([ids + target_decode(verifier, ids, max_new_tokens, eos)], device=heads.blocks[0].layers[0].linear.weight.device)
-        h = target_features(verifier, {"input_ids": full}, ("last_hidden",))["last_hidden"][0].to(heads.dtype)
-        for k in range(k_heads):
-            ts = list(range(len(ids) - 1, full.shape[1] - k - 2))
-            if ts:
-                pred = heads.to_target(heads.head_logits(h[ts], k).argmax(-1))
-                hits[k] += int((pred == full[0, [t + k + 2 for t in ts]]).sum())
-                counts[k] += len(ts)
-    return [round(h / max(c, 1), 4) for h, c in zip(hits, counts)]
-
-
-def tree_for(label: str, family: str, given: list[str]) -> str:
+def tree_for(label: str, module, given: list[str]) -> str | None:
     """The tree a drafter is benchmarked with: LABEL=SPEC, else a plain SPEC, else its family's default."""
     own = [g.split("=", 1)[1] for g in given if g.split("=", 1)[0] == label and not g.startswith(("static:", "dynamic"))]
     plain = [g for g in given if g.startswith(("static:", "dynamic"))]
-    default = "static:recipes/trees/medusa-4heads.json" if family == "medusa" else "dynamic:depth=3,top_k=3,tokens=8"
-    return (own or plain or [default])[0]
+    return (own or plain or [module.DEFAULT_TREE])[0]
 
 
 def main(argv=None) -> None:
@@ -147,8 +125,8 @@ def main(argv=None) -> None:
         module, dcfg, drafter = load_drafter(drafters[name], own)
         verifier = module.verifier(drafter, own)
         timed = TimedProposer(module.make_proposer(drafter, verifier, dcfg))
-        tree = tree_for(name, module.NAME, args.tree)
-        trees = [dict(tree=tree)] if hasattr(timed.inner, "propose_tree") else []  # a student drafts chains
+        tree = tree_for(name, module, args.tree)
+        trees = [dict(tree=tree)] if tree and hasattr(timed.inner, "propose_tree") else []  # a student drafts chains
         runs = [dict(k=args.k)] + trees
         if args.temperature > 0:
             runs += [dict(k=args.k, temperature=args.temperature)] + [{**t, "temperature": args.temperature} for t in trees]
@@ -169,10 +147,14 @@ def main(argv=None) -> None:
             "train_seconds": meta.get("train_seconds"), "train_steps": meta.get("steps"),
             "train_peak_rss_gb": meta.get("peak_rss_gb"),
         }
-        if module.NAME == "medusa":  # per-head top-1 on the holdout (the acc/acc1/... of training, held out)
-            costs[name]["head_top1"] = medusa_head_accuracy(heads, verifier, tok, args.data, args.num_prompts,
-                                                            args.max_new_tokens)
-            print(f"{name}: per-head top-1 on the holdout {costs[name]['head_top1']}")
+        def answered():  # the verifier's greedy answers to the holdout prompts, for the family's own figures
+            eos = eos_ids(verifier, tok)
+            return [(len(ids), ids + target_decode(verifier, ids, args.max_new_tokens, eos))
+                    for ids in (encode_prompt(tok, p) for p in load_prompts(args.data, args.num_prompts))]
+        extra = module.held_out_metrics(drafter, verifier, answered)  # e.g. Medusa's per-head top-1
+        if extra:
+            costs[name].update(extra)
+            print(f"{name}: {extra}")
         if verifier is not own:
             with module.original(drafter, own) as original:
                 costs[name]["drift"] = backbone_drift(original, verifier, tok, args.data, module.make_proposer(

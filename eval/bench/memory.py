@@ -54,8 +54,8 @@ CASES = {  # name -> (recipe, overrides); target "tiny" means the TINY config ab
                             "drafter.backbone_lr=1e-4", "drafter.lora_rank=8", "eval.k=3", *TINY_RUN]),
     "tiny-distill": (None, ["target=tiny", "drafter.type=distill", "drafter.num_layers=2", *TINY_RUN]),
     # The CPU recipes as they train (regeneration off: the batch is random tokens anyway).
-    **{f"smollm2-{family}": (f"recipes/cpu/{family}-smollm2.yaml", ["data.offline_features=", "data.regenerate=false"])
-       for family in ("eagle3", "medusa1", "distill")},
+    **{f"smollm2-{recipe.removesuffix('-smollm2')}": (f"recipes/cpu/{recipe}.yaml", ["data.offline_features=", "data.regenerate=false"])
+       for recipe in ("eagle3-smollm2", "medusa1-smollm2", "distill-smollm2")},
 }
 
 
