@@ -14,11 +14,14 @@ import json
 import math
 import resource
 import time
-from contextlib import nullcontext
-from dataclasses import asdict
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
 
 import torch
+from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, set_seed
 from tqdm import tqdm
@@ -73,112 +76,204 @@ def make_scheduler(cfg: Config, optimizer, total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, [delayed(g.get("start_step", 0)) for g in optimizer.param_groups])
 
 
+@dataclass
+class Run:
+    """What the parts of one training run share, filled in the order train() calls them."""
+    cfg: Config
+    accelerator: Accelerator
+    module: ModuleType                  # the drafter family (models/registry.py)
+    dcfg: Any                           # its config
+    zero: int                           # 0 = DDP (or one process), else DeepSpeed's ZeRO stage
+    fsdp: bool
+    phases: dict = field(default_factory=dict)  # wall seconds per phase, printed and saved at the end
+    target: Any = None
+    tok: Any = None
+    fp: str = ""                        # the target's fingerprint
+    ds: Any = None
+    features: Callable = None           # batch -> the target tensors the family trains on
+    drafter: Any = None
+    init_state: dict | None = None      # the init_from weights, kept to evaluate them "before"
+    optimizer: Any = None
+    scheduler: Any = None
+    sharded: Any = None                 # ZeRO-3's engine of the target, if any
+    total: int = 0                      # optimizer steps of the run
+    step: int = 0
+    epoch: int = 0
+    pos: int = 0                        # global micro-batch of the epoch to continue from
+    train_seconds: float = 0.0          # the loop's wall time (final/config.json)
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    def state(self) -> dict:
+        """Where a checkpoint resumes: the loop's position, and what it was trained with."""
+        return {"step": self.step, "epoch": self.epoch, "position": self.pos + 1, "target_fingerprint": self.fp,
+                "processes": self.world, "zero_stage": self.zero}
+
+
 def train(cfg: Config) -> Path:
+    run = start(cfg)
+    with phase(run, "data (load target, regenerate, features)"):
+        load_target_and_data(run)
+    with phase(run, "train"):
+        build_drafter_and_optimizer(run)
+        distribute(run)
+        resume(run)
+        train_steps(run)
+        final = save(run)
+    if not run.accelerator.is_main_process:
+        # The eval stage runs on rank 0 alone: the other ranks leave now instead of waiting in a
+        # barrier for as long as it takes (which a process-group timeout would fail).
+        run.accelerator.end_training()
+        return run.cfg.run_dir
+    if run.cfg.eval.enabled:
+        with phase(run, "eval"):
+            eval_stage(run.cfg, run.accelerator, run.module, run.dcfg, run.drafter, run.target, run.tok, final, run.init_state)
+    (run.cfg.run_dir / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in run.phases.items()}, indent=1))
+    run.accelerator.print("wall time: " + " | ".join(f"{k} {v / 60:.1f} min" for k, v in run.phases.items()))
+    run.accelerator.end_training()  # also tears down the process group, so it comes last
+    return run.cfg.run_dir
+
+
+@contextmanager
+def phase(run: Run, name: str):
+    t0 = time.perf_counter()
+    yield
+    run.phases[name] = time.perf_counter() - t0
+
+
+def start(cfg: Config) -> Run:
+    """The Accelerator for this launch, the precisions resolved on its device, per-rank seeds, and
+    the run folder with the resolved config."""
     # accelerate keeps its state in a process-wide singleton; a second train() in one process
     # (tests, notebooks) with another precision must start from a clean one.
     AcceleratorState._reset_state()
     # `auto` precisions become what this hardware runs natively (bf16 only where it is native).
     cfg = resolve_precision(cfg)
     accelerator = make_accelerator(cfg)
-    print0 = accelerator.print  # rank-0-only output goes through this one helper
-    world, rank = accelerator.num_processes, accelerator.process_index
-    zero = checkpoint.zero_stage(accelerator)  # 0 = DDP (or one process), else DeepSpeed's ZeRO stage
-    print0(f"precision: train {cfg.optim.mixed_precision}, target {cfg.target_dtype}, eval {cfg.eval.dtype} "
-           f"on {describe(hardware(accelerator.device))}" + (f" | DeepSpeed ZeRO-{zero}" if zero else ""))
-    set_seed(cfg.optim.seed + rank)  # per-rank noise streams; data order is seeded separately
-    run_dir = cfg.run_dir
+    run = Run(cfg, accelerator, drafter_module(cfg.drafter["type"]), drafter_config(cfg),
+              zero=checkpoint.zero_stage(accelerator), fsdp=accelerator.distributed_type == DistributedType.FSDP)
+    accelerator.print(f"precision: train {cfg.optim.mixed_precision}, target {cfg.target_dtype}, eval {cfg.eval.dtype} "
+                      f"on {describe(hardware(accelerator.device))}" + (f" | DeepSpeed ZeRO-{run.zero}" if run.zero else ""))
+    set_seed(cfg.optim.seed + run.rank)  # per-rank noise streams; data order is seeded separately
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_yaml(to_dict(cfg), run_dir / "resolved_config.yaml")
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        save_yaml(to_dict(cfg), cfg.run_dir / "resolved_config.yaml")
+    return run
 
-    # --- target (frozen) and data -------------------------------------------------------------
-    phases, t_phase = {}, time.perf_counter()  # wall seconds per phase, printed and saved at the end
-    module, dcfg = drafter_module(cfg.drafter["type"]), drafter_config(cfg)
+
+def load_target_and_data(run: Run) -> None:
+    """The frozen target on every rank, then the training set and its features (online or cached)."""
+    cfg, accelerator, module = run.cfg, run.accelerator, run.module
     # Every rank loads the target (a file lock guards the embedded target's one-time dequantization).
     # Under ZeRO-3 and FSDP it is loaded whole into CPU RAM and sharded onto the devices after the
     # drafter is prepared: a 70B target does not fit one GPU. It runs on the GPU until then
     # (regeneration, the feature cache) when it fits there.
-    fsdp = accelerator.distributed_type == DistributedType.FSDP
-    sharded_target = zero == 3 or fsdp
+    sharded_target = run.zero == 3 or run.fsdp
     with whole_weights(accelerator):
         target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir, "cpu" if sharded_target else accelerator.device)
     if sharded_target and fits_whole(target, accelerator.device):
         target.to(accelerator.device)
     ensure_pad(tok)
-    fp = fingerprint(target)
+    run.target, run.tok, run.fp = target, tok, fingerprint(target)
     if cfg.init_from:  # e.g. an EAGLE-3 head's aux layers come from the head it starts from
-        dcfg = module.from_init(dcfg, read_config(cfg.init_from), target.config)
+        run.dcfg = module.from_init(run.dcfg, read_config(cfg.init_from), target.config)
     # The target tensors this family trains on; none for families that compute them with gradients
     # from a backbone they train (Medusa-2).
-    names = module.feature_names(dcfg, target.config)
+    names = module.feature_names(run.dcfg, target.config)
     # Regeneration and feature caching are split over the ranks (data/sharding.py): no rank waits in
     # a collective while another works alone.
-    ds, cache = training_data(cfg, target, tok, fp, names, Shard(rank, world, accelerator.wait_for_everyone))
+    run.ds, cache = training_data(cfg, target, tok, run.fp, names, Shard(run.rank, run.world, accelerator.wait_for_everyone))
     if cache:
-        features = FeatureCache(cache, names, fp)
+        run.features = FeatureCache(cache, names, run.fp)
     else:
-        features = (lambda batch: target_features(target, batch, names)) if names else (lambda batch: {})
-    phases["data (load target, regenerate, features)"], t_phase = time.perf_counter() - t_phase, time.perf_counter()
+        run.features = (lambda batch: target_features(target, batch, names)) if names else (lambda batch: {})
 
-    # --- drafter, optimizer, schedule ---------------------------------------------------------
+
+def build_drafter_and_optimizer(run: Run) -> None:
+    """The family's drafter (from `init_from` when fine-tuning), AdamW over its param groups, and the
+    schedule over the run's optimizer steps."""
+    cfg, accelerator, module = run.cfg, run.accelerator, run.module
     # A family that trains the target (Medusa-2) wraps it here: adapters injected, or a trainable copy.
-    init_state = None
     # The same initial drafter on every rank: DDP and DeepSpeed broadcast rank 0's, but FSDP2 keeps
     # each rank's own slice of what it built. Then back to per-rank streams (feature noise).
     set_seed(cfg.optim.seed)
     with whole_weights(accelerator):
-        drafter = module.build(dcfg, target, ds).to(accelerator.device)
+        run.drafter = module.build(run.dcfg, run.target, run.ds).to(accelerator.device)
         if cfg.init_from:  # domain fine-tuning: start from a trained drafter; kept to evaluate it "before"
-            init_weights(drafter, module.NAME, cfg.init_from, target, allow_stale=cfg.init_from_stale)
-            init_state = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
-            print0(f"initialised from {cfg.init_from}")
-    set_seed(cfg.optim.seed + rank)
-    n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    groups = module.param_groups(drafter, dcfg, cfg.optim.lr)  # e.g. heads and backbone at their own lrs
-    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
-    per_epoch = len(ds) // (cfg.optim.batch_size * world) // cfg.optim.grad_accum
+            init_weights(run.drafter, module.NAME, cfg.init_from, run.target, allow_stale=cfg.init_from_stale)
+            run.init_state = {k: v.detach().clone() for k, v in run.drafter.state_dict().items()}
+            accelerator.print(f"initialised from {cfg.init_from}")
+    set_seed(cfg.optim.seed + run.rank)
+    groups = module.param_groups(run.drafter, run.dcfg, cfg.optim.lr)  # e.g. heads and backbone at their own lrs
+    run.optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
+    per_epoch = len(run.ds) // (cfg.optim.batch_size * run.world) // cfg.optim.grad_accum
     if per_epoch == 0 and not cfg.optim.max_steps:
-        raise DraftsmithError(f"{cfg.data.train}: {len(ds)} examples cannot fill one optimizer step "
-                              f"(global batch {cfg.optim.batch_size * world * cfg.optim.grad_accum})")
-    total = cfg.optim.max_steps or max(1, math.ceil(cfg.optim.epochs * per_epoch))
+        raise DraftsmithError(f"{cfg.data.train}: {len(run.ds)} examples cannot fill one optimizer step "
+                              f"(global batch {cfg.optim.batch_size * run.world * cfg.optim.grad_accum})")
+    run.total = cfg.optim.max_steps or max(1, math.ceil(cfg.optim.epochs * per_epoch))
     # The scheduler is stepped by hand once per optimizer step (accelerate's prepared scheduler
-    # would step once per process); registering it puts its state in every checkpoint.
-    scheduler = make_scheduler(cfg, optimizer, total)
-    if zero:
-        fill_deepspeed_config(accelerator, cfg, target.config.get_text_config().hidden_size)
+    # would step once per process); registering it (distribute) puts its state in every checkpoint.
+    run.scheduler = make_scheduler(cfg, run.optimizer, run.total)
+
+
+def distribute(run: Run) -> None:
+    """accelerate.prepare (DDP, DeepSpeed or FSDP) for the drafter and optimizer, and the frozen
+    target sharded the same way under ZeRO-3 and FSDP (train/distributed.py)."""
+    accelerator, target = run.accelerator, run.target
+    if run.zero:
+        fill_deepspeed_config(accelerator, run.cfg, target.config.get_text_config().hidden_size)
     # Medusa-2's LoRA backbone and a Medusa head sharing lm_head hold target weights: the drafter's
     # engine shards those with the drafter, and the rest of the target stays whole.
-    shares_target = bool({id(p) for p in drafter.parameters()} & {id(p) for p in target.parameters()})
-    drafter, optimizer = accelerator.prepare(drafter, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    sharded = shard_target(accelerator, target, shares_target) if zero == 3 else None
-    if fsdp:
+    shares_target = bool({id(p) for p in run.drafter.parameters()} & {id(p) for p in target.parameters()})
+    run.drafter, run.optimizer = accelerator.prepare(run.drafter, run.optimizer)
+    accelerator.register_for_checkpointing(run.scheduler)
+    run.sharded = shard_target(accelerator, target, shares_target) if run.zero == 3 else None
+    if run.fsdp:
         fsdp_shard_target(accelerator, target, shares_target)
 
-    step, epoch, pos = 0, 0, 0
-    resume_from = checkpoint.find_resume(run_dir, cfg.resume)
+
+def resume(run: Run) -> None:
+    """Continue from a checkpoint (`resume`), start the trackers, and say what trains."""
+    cfg, accelerator = run.cfg, run.accelerator
+    resume_from = checkpoint.find_resume(cfg.run_dir, cfg.resume)
     if resume_from:
         state = checkpoint.load(accelerator, resume_from)
-        step, epoch, pos = state["step"], state["epoch"], state["position"]
-        print0(f"resumed from {resume_from} at step {step}")
+        run.step, run.epoch, run.pos = state["step"], state["epoch"], state["position"]
+        accelerator.print(f"resumed from {resume_from} at step {run.step}")
     if cfg.tracker != "none":
         accelerator.init_trackers(cfg.run, config=_flat(to_dict(cfg)))
-    print0(f"drafter {module.NAME}: {n_params / 1e6:.2f}M trainable params | {len(ds)} examples | "
-           f"{total} steps | {world} process(es) | target fingerprint {fp}")
+    n_params = sum(p.numel() for p in run.drafter.parameters() if p.requires_grad)
+    accelerator.print(f"drafter {run.module.NAME}: {n_params / 1e6:.2f}M trainable params | {len(run.ds)} examples | "
+                      f"{run.total} steps | {run.world} process(es) | target fingerprint {run.fp}")
+    groups = run.optimizer.param_groups
     if len(groups) > 1:
-        print0("param groups: " + ", ".join(f"{g['name']} lr {g['initial_lr']:g}" + (f" from step {g['start_step']}" if g.get("start_step") else "")
-                                            for g in optimizer.param_groups))
+        accelerator.print("param groups: " + ", ".join(
+            f"{g['name']} lr {g['initial_lr']:g}" + (f" from step {g['start_step']}" if g.get("start_step") else "")
+            for g in groups))
 
-    # --- the loop -------------------------------------------------------------------------------
-    bar = tqdm(total=total, initial=step, disable=not accelerator.is_local_main_process, desc="train")
+
+def train_steps(run: Run) -> None:
+    """The loop: micro-batches of this rank's slice, the loss normalised by the global token count,
+    an optimizer step every grad_accum micro-batches, logs and checkpoints."""
+    cfg, accelerator, module, drafter, optimizer, scheduler = (run.cfg, run.accelerator, run.module, run.drafter,
+                                                               run.optimizer, run.scheduler)
+    world, zero, total = run.world, run.zero, run.total
+    bar = tqdm(total=total, initial=run.step, disable=not accelerator.is_local_main_process, desc="train")
     sums, t0, micro, t_start = {}, time.perf_counter(), 0, time.perf_counter()
-    last_good = checkpoint.list_steps(run_dir)[-1:] if accelerator.is_main_process else []
-    while step < total:
-        for pos, rows in micro_batches(ds, cfg, world, rank, epoch, pos):
-            batch = {k: v.to(accelerator.device) for k, v in collate(rows, tok.pad_token_id).items()}
+    last_good = checkpoint.list_steps(cfg.run_dir)[-1:] if accelerator.is_main_process else []
+    while run.step < total:
+        for run.pos, rows in micro_batches(run.ds, cfg, world, run.rank, run.epoch, run.pos):
+            batch = {k: v.to(accelerator.device) for k, v in collate(rows, run.tok.pad_token_id).items()}
             sync = (micro + 1) % cfg.optim.grad_accum == 0
             with autocast(accelerator, cfg, zero), (accelerator.no_sync(drafter) if not sync else nullcontext()):
-                loss_sum, n_tok, metrics = module.compute_loss(drafter, target, batch, features(batch), dcfg, step=step)
+                loss_sum, n_tok, metrics = module.compute_loss(drafter, run.target, batch, run.features(batch), run.dcfg,
+                                                               step=run.step)
                 # Normalise by the global token count of this micro-batch (all ranks): DDP averages
                 # gradients over ranks, so multiply back by world size.
                 n_global = accelerator.reduce(n_tok.float().detach(), "sum").clamp(min=1)
@@ -186,9 +281,9 @@ def train(cfg: Config) -> Path:
                 # Checked across ranks, so every rank stops together instead of hanging in all-reduce.
                 if accelerator.reduce((~torch.isfinite(loss.detach())).float(), "sum") > 0:
                     where = f"; last good checkpoint: {last_good[-1]}" if last_good else ""
-                    raise DraftsmithError(f"step {step}: loss is {loss.item()} (nan/inf), training stopped{where}")
+                    raise DraftsmithError(f"step {run.step}: loss is {loss.item()} (nan/inf), training stopped{where}")
                 if zero:  # the engine accumulates, clips and steps (see deepspeed_backward)
-                    deepspeed_backward(drafter, loss, sync, sharded)
+                    deepspeed_backward(drafter, loss, sync, run.sharded)
                 else:
                     accelerator.backward(loss)
             for k, v in {"loss": loss_sum.detach(), "tokens": n_tok.float(), **metrics}.items():
@@ -202,52 +297,42 @@ def train(cfg: Config) -> Path:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            step += 1
+            run.step += 1
             bar.update(1)
-            if step % cfg.log_every == 0 or step == total:
+            if run.step % cfg.log_every == 0 or run.step == total:
                 log = _summarise(sums, time.perf_counter() - t0, scheduler.get_last_lr()[0])
                 bar.set_postfix({k: f"{v:.3g}" for k, v in log.items() if k != "lr"})
-                accelerator.log(log, step=step)
+                accelerator.log(log, step=run.step)
                 if accelerator.is_main_process:
-                    with open(run_dir / "train_log.jsonl", "a") as f:
-                        f.write(json.dumps({"step": step, **log}) + "\n")
+                    with open(cfg.run_dir / "train_log.jsonl", "a") as f:
+                        f.write(json.dumps({"step": run.step, **log}) + "\n")
                 sums, t0 = {}, time.perf_counter()
-            if cfg.save_every and step % cfg.save_every == 0 and step < total:
-                state = {"step": step, "epoch": epoch, "position": pos + 1, "target_fingerprint": fp,
-                         "processes": world, "zero_stage": zero}
-                last_good = [checkpoint.save(accelerator, run_dir, step, state, cfg.keep_last)]
-            if step >= total:
+            if cfg.save_every and run.step % cfg.save_every == 0 and run.step < total:
+                last_good = [checkpoint.save(accelerator, cfg.run_dir, run.step, run.state(), cfg.keep_last)]
+            if run.step >= total:
                 break
         else:  # epoch exhausted
-            epoch, pos = epoch + 1, 0
+            run.epoch, run.pos = run.epoch + 1, 0
             continue
         break
     bar.close()
-    phases["train"], t_phase = time.perf_counter() - t_phase, time.perf_counter()
-    state = {"step": step, "epoch": epoch, "position": pos + 1, "target_fingerprint": fp,
-             "processes": world, "zero_stage": zero}
-    checkpoint.save(accelerator, run_dir, step, state, cfg.keep_last)
-    final = run_dir / "final"
+    run.train_seconds = time.perf_counter() - t_start
+
+
+def save(run: Run) -> Path:
+    """The last resumable checkpoint, then `final/`: the drafter alone with what it was trained for."""
+    cfg, accelerator = run.cfg, run.accelerator
+    checkpoint.save(accelerator, cfg.run_dir, run.step, run.state(), cfg.keep_last)
+    final = cfg.run_dir / "final"
     # The family's config with every default resolved (build may fill some in from the target).
-    meta = {"drafter": module.NAME, "drafter_config": {"type": module.NAME, **asdict(dcfg)}, "target": cfg.target,
-            "target_fingerprint": fp, "steps": step, "train_data": cfg.data.train,
-            "train_seconds": round(time.perf_counter() - t_start, 1), "processes": world,
+    meta = {"drafter": run.module.NAME, "drafter_config": {"type": run.module.NAME, **asdict(run.dcfg)},
+            "target": cfg.target, "target_fingerprint": run.fp, "steps": run.step, "train_data": cfg.data.train,
+            "train_seconds": round(run.train_seconds, 1), "processes": run.world,
             # ru_maxrss is in KiB on Linux: this rank's peak, target and data included.
             "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
-    checkpoint.save_final(accelerator, drafter, final, meta)  # every rank takes part under DeepSpeed
-    print0(f"saved drafter to {final}")
-    if not accelerator.is_main_process:
-        # The eval stage runs on rank 0 alone: the other ranks leave now instead of waiting in a
-        # barrier for as long as it takes (which a process-group timeout would fail).
-        accelerator.end_training()
-        return run_dir
-    if cfg.eval.enabled:
-        eval_stage(cfg, accelerator, module, dcfg, drafter, target, tok, final, init_state)
-        phases["eval"] = time.perf_counter() - t_phase
-    (run_dir / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in phases.items()}, indent=1))
-    print0("wall time: " + " | ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items()))
-    accelerator.end_training()  # also tears down the process group, so it comes last
-    return run_dir
+    checkpoint.save_final(accelerator, run.drafter, final, meta)  # every rank takes part under DeepSpeed
+    accelerator.print(f"saved drafter to {final}")
+    return final
 
 
 def eval_stage(cfg: Config, accelerator, module, dcfg, drafter, target, tok, final: Path, init_state) -> dict:
