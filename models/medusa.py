@@ -438,9 +438,9 @@ def write_export(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info
     (the target's) with original_lm_head. A Medusa-2 drafter also writes `out/backbone/`: the trained
     backbone with its adapters merged, a plain transformers folder with the target's tokenizer
     (`tok`), which serves as the new target (vLLM `--model out/backbone`, `speculative_config.model: out`)."""
-    heads, meta = getattr(drafter, "heads", drafter), {**meta, "target_vocab_size": target.config.vocab_size}
+    heads = getattr(drafter, "heads", drafter)  # Medusa-2: the heads, then the backbone below
     state = {k.replace(".linear.", "."): v for k, v in heads.state_dict().items()}
-    shared, vocab = heads.shared_lm_head is not None, meta["target_vocab_size"]
+    shared, vocab = heads.shared_lm_head is not None, target.config.vocab_size
     reduced = hasattr(heads, "token_map")
     if reduced and not shared:
         # vLLM 0.32 MedusaModel builds each head's own lm_head over the full vocabulary and asserts
