@@ -62,8 +62,9 @@ def main(argv=None) -> None:
                     fingerprint=fingerprint(target))
     hf_s = time.perf_counter() - t
 
-    with vllm_server.serve(str(resolve_target(args.target)), dtype=args.dtype,
-                           max_model_len=2048) as server:  # started once; its start-up is not answering time
+    # started once; its start-up is not answering time. vLLM refuses a context past the target's own.
+    context = min(2048, getattr(target.config, "max_position_embeddings", 2048))
+    with vllm_server.serve(str(resolve_target(args.target)), dtype=args.dtype, max_model_len=context) as server:
         startup_s = time.perf_counter() - t - hf_s
         t = time.perf_counter()
         regenerate_vllm(str(resolve_target(args.target)), tok, args.data, out / "vllm.jsonl", args.max_new_tokens,
