@@ -170,13 +170,6 @@ def from_exported_head(drafter, config: dict, state: dict):
     return drafter
 
 
-def exported_weights(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(Path(path) / "model.safetensors")
-    except Exception as e:  # a missing or truncated file
-        raise DraftsmithError(f"{path}/model.safetensors: cannot read weights ({e})") from None
-
-
 def renamed(state: dict, old: str, new: str) -> dict:
     """Tensor names with prefix `old` under prefix `new` (the engines' names <-> draftsmith's)."""
     return {(new + k[len(old):]) if k.startswith(old) else k: v for k, v in state.items()}

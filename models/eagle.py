@@ -21,10 +21,10 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from draftsmith.models.common import (no_held_out_metrics, exported_weights, FeatureProposer, from_exported_head, frozen_target,
-                                      keep_config, layer_activation_bytes, llama_dims, no_consumer_check, renamed,
-                                      single_group, target_as_original, trains_target_never, ttt_mask, vllm_method,
-                                      vllm_snippet, write_tensors)
+from draftsmith.models.common import (FeatureProposer, from_exported_head, frozen_target, keep_config,
+                                      layer_activation_bytes, llama_dims, load_state, no_consumer_check,
+                                      no_held_out_metrics, renamed, single_group, target_as_original,
+                                      trains_target_never, ttt_mask, vllm_method, vllm_snippet, write_tensors)
 from draftsmith.util.losses import smooth_l1_feature_loss, soft_cross_entropy, topk_distillation_loss
 
 NAME = "eagle"
@@ -213,7 +213,7 @@ def recognises(config: dict, tensor_names: set[str]) -> bool:
 
 
 def read_export(path, target) -> dict[str, torch.Tensor]:
-    state = exported_weights(path)
+    state = load_state(path)
     state.pop("embed_tokens.weight", None)  # EAGLE heads use the target's embeddings
     state.pop("fc.bias", None)  # the zero bias written for SGLang
     return renamed(state, "layers.0.", "layer.")

@@ -25,8 +25,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from draftsmith import DraftsmithError
 from draftsmith.data.features import target_features
-from draftsmith.models.common import (no_held_out_metrics, causal_mask, draft_vocab, exported_weights, FeatureProposer,
-                                      from_exported_head, frozen_target, llama_dims, logit_diff, max_over_ranks,
+from draftsmith.models.common import (causal_mask, draft_vocab, FeatureProposer, from_exported_head, frozen_target,
+                                      llama_dims, load_state, logit_diff, max_over_ranks, no_held_out_metrics,
                                       renamed, single_group, target_as_original, trains_target_never, ttt_mask,
                                       vllm_method, vllm_snippet, write_tensors)
 from draftsmith.models.eagle import layer_config, sglang_snippet, unroll_activation_bytes
@@ -326,7 +326,7 @@ def recognises(config: dict, tensor_names: set[str]) -> bool:
 
 
 def read_export(path, target) -> dict[str, torch.Tensor]:
-    state = exported_weights(path)
+    state = load_state(path)
     state.pop("embed_tokens.weight", None)  # EAGLE heads use the target's embeddings
     return renamed(state, "layers.0.", "midlayer.")
 

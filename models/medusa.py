@@ -36,8 +36,8 @@ from torch import nn
 
 from draftsmith import DraftsmithError
 from draftsmith.models.drafts import Draft
-from draftsmith.models.common import (draft_vocab, exported_weights, keep_config, layer_activation_bytes,
-                                      lora_config, no_consumer_check, vllm_snippet, write_tensors)
+from draftsmith.models.common import (draft_vocab, keep_config, layer_activation_bytes, load_state, lora_config,
+                                      no_consumer_check, vllm_snippet, write_tensors)
 from draftsmith.util.losses import forward_kl, soft_cross_entropy
 
 NAME = "medusa"
@@ -478,7 +478,7 @@ def recognises(config: dict, tensor_names: set[str]) -> bool:
 
 
 def read_export(path, target) -> dict[str, torch.Tensor]:
-    state = exported_weights(path)
+    state = load_state(path)
     state.pop("lm_head.weight", None)  # original_lm_head: the target's own, not a head weight
     # blocks.h.layers.l.weight -> the ResBlock's .linear
     return {(k.rsplit(".", 1)[0] + ".linear." + k.rsplit(".", 1)[1]) if k.startswith("blocks.") else k: v
