@@ -48,7 +48,7 @@ class DrafterConfig:
     """truncate: 0 = the target's MLP width; N = a narrower student whose MLPs start fresh (random) while
     embeddings, norms, attention and lm_head are the target's."""
     divergence: str = "fkl"
-    """fkl, rkl, jsd or tvd (draftsmith/util/losses.py), over the full vocabulary at every trained position."""
+    """fkl, rkl, jsd, tvd, or the LK losses nla and lk_hybrid (draftsmith/util/losses.py), over the full vocabulary at every trained position."""
     temperature: float = 1.0
     """Both distributions are softened at this temperature before the divergence."""
     beta: float = 0.5

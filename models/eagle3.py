@@ -30,7 +30,7 @@ from draftsmith.models.common import (causal_mask, draft_vocab, FeatureProposer,
                                       renamed, single_group, target_as_original, trains_target_never, ttt_mask,
                                       vllm_method, vllm_snippet, write_tensors)
 from draftsmith.models.eagle import layer_config, sglang_snippet, unroll_activation_bytes
-from draftsmith.util.losses import soft_cross_entropy, topk_distillation_loss
+from draftsmith.util.losses import check_loss, TOKEN_LOSSES, topk_distillation_loss
 
 NAME = "eagle3"
 
@@ -50,6 +50,12 @@ class DrafterConfig:
     """HASS top-k distillation on every TTT step (the TTT unroll already is HASS's context alignment)."""
     hass_topk: int = 10
     hass_topk_weight: float = 1.0
+    loss: str = "ce"
+    """Token loss of every TTT step against the target's draft-vocabulary distribution: ce (EAGLE-3's),
+    or the acceptance-targeting tvd, nla, lk_hybrid (draftsmith/util/losses.py)."""
+
+    def __post_init__(self):
+        check_loss(self.loss, "drafter.loss", TOKEN_LOSSES)
 
 
 def default_aux_layers(n: int) -> list[int]:
@@ -252,7 +258,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     logits = drafter(aux.to(core.fc.weight.dtype), embeds, attn[:, :t], selections)
     total, metrics = 0.0, {}
     for j, (s_logits, (t_draft, keep)) in enumerate(zip(logits, labels)):
-        loss = soft_cross_entropy(s_logits, t_draft, keep)
+        loss = TOKEN_LOSSES[cfg.loss](s_logits, t_draft, keep)
         if cfg.hass:  # the target's top-k among draft-vocab tokens
             loss = loss + cfg.hass_topk_weight * topk_distillation_loss(s_logits, t_draft, keep, cfg.hass_topk)
         total = total + cfg.step_decay ** j * loss

@@ -84,3 +84,47 @@ def test_jsd_is_symmetric_at_half_and_bounded_by_log_2():
     assert jensen_shannon(far[:1], far[1:], torch.ones(1)) <= torch.log(torch.tensor(2.0)) + 1e-5
     # beta weighs the two KLs to the mixture: it differs from 0.5 for an asymmetric pair.
     assert not torch.allclose(jensen_shannon(s, t, mask, beta=0.1), jensen_shannon(s, t, mask, beta=0.5))
+
+
+# --- LK losses (arXiv:2602.23881) ------------------------------------------------------------------
+from draftsmith.util.losses import TOKEN_LOSSES, check_loss, lk_hybrid, negative_log_acceptance  # noqa: E402
+
+
+def test_nla_is_minus_log_acceptance_and_lk_hybrid_mixes_kl_and_tvd_by_acceptance():
+    torch.manual_seed(2)
+    s, t, mask = torch.randn(6, 30), torch.randn(6, 30), torch.ones(6)
+    alpha = torch.minimum(s.softmax(-1), t.softmax(-1)).sum(-1)
+    assert torch.allclose(negative_log_acceptance(s, t, mask), -alpha.log().sum(), atol=1e-5)
+    kl = (t.softmax(-1) * (t.log_softmax(-1) - s.log_softmax(-1))).sum(-1)
+    lam = torch.exp(-3.0 * alpha)
+    assert torch.allclose(lk_hybrid(s, t, mask), (lam * kl + (1 - lam) * (1 - alpha)).sum(), atol=1e-5)
+    # eta -> infinity leaves TVD alone; eta = 0 leaves KL alone.
+    assert torch.allclose(lk_hybrid(s, t, mask, eta=1e9), total_variation(s, t, mask), atol=1e-5)
+    assert torch.allclose(lk_hybrid(s, t, mask, eta=0.0), forward_kl(s, t, mask), atol=1e-5)
+
+
+def test_lk_hybrid_weight_is_not_differentiated():
+    """lam = exp(-eta sg(alpha)): the gradient is lam * dKL + (1 - lam) * dTVD, with no d(lam) term."""
+    torch.manual_seed(3)
+    t, mask = torch.randn(4, 12), torch.ones(4)
+    s = torch.randn(4, 12, requires_grad=True)
+    (g,) = torch.autograd.grad(lk_hybrid(s, t, mask), s)
+    alpha = torch.minimum(s.softmax(-1), t.softmax(-1)).sum(-1).detach()
+    lam = torch.exp(-3.0 * alpha)[:, None]
+    (g_kl,) = torch.autograd.grad(forward_kl(s, t, mask), s)
+    (g_tv,) = torch.autograd.grad(total_variation(s, t, mask), s)
+    assert torch.allclose(g, lam * g_kl + (1 - lam) * g_tv, atol=1e-6)
+
+
+def test_every_token_loss_is_minimal_at_the_target_and_an_unknown_name_lists_the_valid_ones():
+    torch.manual_seed(4)
+    logits, mask = torch.randn(5, 40), torch.ones(5)
+    for name, fn in TOKEN_LOSSES.items():
+        at_target = fn(logits, logits, mask)
+        assert at_target <= fn(logits + torch.randn(5, 40), logits, mask), name
+        assert fn(logits, logits, torch.zeros(5)) == 0, name
+    import pytest
+    from draftsmith import DraftsmithError
+
+    with pytest.raises(DraftsmithError, match=r"drafter.loss: unknown loss 'kl' \(valid: ce, tvd, nla, lk_hybrid\)"):
+        check_loss("kl", "drafter.loss", TOKEN_LOSSES)

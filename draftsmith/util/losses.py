@@ -8,6 +8,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from draftsmith import DraftsmithError
+
 
 def smooth_l1_feature_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """EAGLE-1 feature regression (Li et al. 2024, "EAGLE", eq. for L_reg).
@@ -94,4 +96,48 @@ def total_variation(student_logits, teacher_logits, mask, temperature: float = 1
     return ((0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)) * mask).sum()
 
 
-DIVERGENCES = {"fkl": forward_kl, "rkl": reverse_kl, "jsd": jensen_shannon, "tvd": total_variation}
+# --- LK losses (arXiv:2602.23881, "acceptance-targeting" objectives) ----------------------------------
+# With alpha = sum_x min(p(x), q(x)), the probability that speculative sampling accepts a draft token
+# (p the target, q the drafter), they train the acceptance itself rather than a proxy divergence.
+
+def _acceptance(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+    return torch.minimum(log_p.exp(), log_q.exp()).sum(-1)  # [N]
+
+
+def negative_log_acceptance(student_logits, teacher_logits, mask, temperature: float = 1.0) -> torch.Tensor:
+    """NLA = -log alpha: 0 iff p == q; unlike TVD = 1 - alpha its gradient grows as alpha -> 0, so
+    rows the drafter gets badly wrong are not ignored (alpha clamped at 1e-6 against log 0)."""
+    log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
+    return (-_acceptance(log_q, log_p).clamp_min(1e-6).log() * mask).sum()
+
+
+def lk_hybrid(student_logits, teacher_logits, mask, temperature: float = 1.0, eta: float = 3.0) -> torch.Tensor:
+    """LK hybrid = lam * KL(p || q) + (1 - lam) * TVD(p, q), lam = exp(-eta * sg(alpha)), eta = 3:
+    KL's dense gradient while the drafter is far from the target (alpha small, lam near 1), the
+    acceptance itself (TVD = 1 - alpha) once it is close. lam is a per-row weight, not differentiated
+    (sg = stop-gradient). 0 iff p == q."""
+    log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
+    alpha = _acceptance(log_q, log_p)
+    lam = torch.exp(-eta * alpha.detach())
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return ((lam * kl + (1 - lam) * (1 - alpha)) * mask).sum()
+
+
+DIVERGENCES = {"fkl": forward_kl, "rkl": reverse_kl, "jsd": jensen_shannon, "tvd": total_variation,
+               "nla": negative_log_acceptance, "lk_hybrid": lk_hybrid}
+
+
+def draft_ce(student_logits, teacher_logits, mask, temperature: float = 1.0) -> torch.Tensor:
+    """EAGLE's token loss: soft cross-entropy against the target's distribution (temperature 1)."""
+    return soft_cross_entropy(student_logits, teacher_logits, mask)
+
+
+# The token losses a feature-space or block drafter may train on (`drafter.loss`): (student, teacher, mask).
+TOKEN_LOSSES = {"ce": draft_ce, "tvd": total_variation, "nla": negative_log_acceptance, "lk_hybrid": lk_hybrid}
+
+
+def check_loss(name: str, field: str, table: dict) -> str:
+    """A loss name from a config, or the one-line error naming the valid ones."""
+    if name not in table:
+        raise DraftsmithError(f"{field}: unknown loss '{name}' (valid: {', '.join(table)})")
+    return name
