@@ -72,7 +72,7 @@ def test_a_student_with_another_tokenizer_is_rejected(tiny_target, tmp_path):
 def test_bad_distill_configs_fail_when_the_recipe_loads():
     from draftsmith.train.config import load_config
 
-    with pytest.raises(DraftsmithError, match=r"drafter.divergence: unknown 'kld' \(valid: fkl, rkl, jsd, tvd\)"):
+    with pytest.raises(DraftsmithError, match=r"drafter.divergence: unknown 'kld' \(valid: fkl, rkl, jsd, tvd, nla, lk_hybrid\)"):
         load_config(None, ["drafter.type=distill", "drafter.divergence=kld"])
     with pytest.raises(DraftsmithError, match="0 < beta < 1"):
         load_config(None, ["drafter.type=distill", "drafter.beta=1.5"])
