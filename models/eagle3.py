@@ -8,6 +8,10 @@ Differences from EAGLE-1 (models/eagle.py):
   with `d2t` (draft id -> target id offset) and `t2d` (target id in draft vocab?) maps;
 - training-time test (TTT): T unrolled steps, each feeding the drafter's own hidden states, with
   loss sum_j 0.8^j * softCE_j; no feature regression loss.
+EAGLE-3.1's normalisation switches (speculators' names, which vLLM 0.32 reads from the top level of
+a speculators config): `norm_before_fc`, one RMSNorm over the 3H concat before fc; `fc_norm`, one
+RMSNorm per fused layer before the concat (exclusive with norm_before_fc: speculators refuses the
+pair); `norm_output`, the next step is fed norm(out), the tensor lm_head reads, instead of out.
 Tensor names follow the official/SGLang `LlamaForCausalLMEagle3` checkpoint.
 """
 
@@ -53,9 +57,22 @@ class DrafterConfig:
     loss: str = "ce"
     """Token loss of every TTT step against the target's draft-vocabulary distribution: ce (EAGLE-3's),
     or the acceptance-targeting tvd, nla, lk_hybrid (draftsmith/util/losses.py)."""
+    # --- EAGLE-3.1 (speculators PR #610 defaults norm_before_fc and norm_output on) --------------
+    norm_before_fc: bool = False
+    """One RMSNorm over the concatenated target layers [3H] before fc."""
+    fc_norm: bool = False
+    """One RMSNorm per fused target layer [H] before the concat; not with norm_before_fc."""
+    norm_output: bool = False
+    """Feed the next draft step the final-normed hidden state (what lm_head reads) instead of the pre-norm one."""
 
     def __post_init__(self):
         check_loss(self.loss, "drafter.loss", TOKEN_LOSSES)
+        if self.fc_norm and self.norm_before_fc:
+            raise DraftsmithError("drafter.fc_norm and drafter.norm_before_fc: choose one (speculators refuses both; "
+                                  "norm_before_fc normalises the concat, fc_norm each layer)")
+
+
+SWITCHES = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE-3.1, under speculators' and vLLM's names
 
 
 def default_aux_layers(n: int) -> list[int]:
@@ -102,9 +119,22 @@ def exported_aux_layers(config: dict, target_config) -> list[int] | None:
     return [i - 1 for i in top] if top is not None else default_aux_layers(target_config.num_hidden_layers)
 
 
+def exported_switches(config: dict) -> dict:
+    """EAGLE-3.1's switches of a drafter folder: a final/'s drafter config, or an export's top-level
+    keys (where vLLM reads them; absent = off)."""
+    own = config["drafter_config"] if "draftsmith_format" in config else config
+    return {k: bool(own.get(k, False)) for k in SWITCHES}
+
+
 def from_init(cfg: DrafterConfig, init_config: dict, target_config) -> DrafterConfig:
-    """`init_from` an EAGLE-3 head: fine-tuning feeds it the layers it was trained on. A recipe that
-    names no aux layers takes the head's; one that names other layers is an error naming both."""
+    """`init_from` an EAGLE-3 head: fine-tuning feeds it the layers it was trained on, through the
+    norms it was trained with. A recipe that names no aux layers takes the head's; one that names
+    other layers, or switches on a norm the head lacks, is an error naming both."""
+    switches = exported_switches(init_config)
+    extra = [k for k in SWITCHES if getattr(cfg, k) and not switches[k]]
+    if extra:
+        raise DraftsmithError(f"drafter.{extra[0]}: the init_from head was trained without it; drop the key")
+    cfg = replace(cfg, **switches)
     ids = exported_aux_layers(init_config, target_config)
     if ids is None:
         return cfg
@@ -123,10 +153,17 @@ def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
 
 
 class Eagle3Drafter(nn.Module):
-    def __init__(self, config, draft_vocab: int, target_vocab: int, n_aux: int = 3):
+    def __init__(self, config, draft_vocab: int, target_vocab: int, n_aux: int = 3, norm_before_fc: bool = False,
+                 fc_norm: bool = False, norm_output: bool = False):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.config = config
+        # EAGLE-3.1: vLLM's tensor names (`input_norm`, `fc_norm.{i}`); absent when the switch is off.
+        if norm_before_fc:
+            self.input_norm = LlamaRMSNorm(n_aux * h, eps=eps)
+        if fc_norm:
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(h, eps=eps) for _ in range(n_aux))
+        self.norm_output = norm_output
         self.fc = nn.Linear(n_aux * h, h, bias=False)
         self.midlayer = LlamaDecoderLayer(config, layer_idx=0)
         attn = self.midlayer.self_attn
@@ -139,6 +176,19 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(target_vocab, dtype=torch.bool))
         self.rotary = LlamaRotaryEmbedding(config)
+
+    def fuse(self, aux):
+        """Target features [..., 3H] (fused layers in layer order) -> the drafter's hidden input [..., H]:
+        fc, after EAGLE-3.1's norms when switched on (only target features pass them, as in vLLM)."""
+        if hasattr(self, "input_norm"):
+            aux = self.input_norm(aux)
+        if hasattr(self, "fc_norm"):
+            aux = torch.cat([norm(part) for norm, part in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], -1)
+        return self.fc(aux)
+
+    def carry(self, out):
+        """What the next draft step is fed: out, or norm(out) under norm_output (vLLM's second output)."""
+        return self.norm(out) if self.norm_output else out
 
     def step(self, hidden, token_embeds, position_ids, attention_mask, cache=None):
         """One drafter pass. hidden: fused target features or the drafter's own previous output
@@ -159,17 +209,18 @@ class Eagle3Drafter(nn.Module):
         """
         bsz, t = padding.shape
         roots = torch.arange(t, device=padding.device)
-        hidden, cache, logits = self.fc(aux), DynamicCache(), []
+        hidden, cache, logits = self.fuse(aux), DynamicCache(), []
         for j, (b_idx, r_idx) in enumerate(selections):
             # Step j of chain r: input token t_{r+j+1} at position r+j, predicting t_{r+j+2}.
-            out = self.step(hidden, embeds[:, j : j + t], (roots + j)[None].expand(bsz, -1),
-                            ttt_mask(t, j, padding), cache=cache)
+            out = self.carry(self.step(hidden, embeds[:, j : j + t], (roots + j)[None].expand(bsz, -1),
+                                       ttt_mask(t, j, padding), cache=cache))
             logits.append(self.draft_logits(out[b_idx, r_idx]))
             hidden = out  # the next step feeds the drafter's own output, as at inference
         return logits
 
-    def draft_logits(self, out):
-        return self.lm_head(self.norm(out))
+    def draft_logits(self, carried):
+        """Draft-vocab logits from a step's carried output: lm_head always reads norm(out)."""
+        return self.lm_head(carried if self.norm_output else self.norm(carried))
 
     def to_target_ids(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]
@@ -189,7 +240,8 @@ def build(cfg: DrafterConfig, target, dataset=None) -> Eagle3Drafter:
     tc = target.config
     # The saved config names the exact layers, whatever the default is when it is read back.
     cfg.aux_layers = aux_layers(cfg, tc)
-    drafter = Eagle3Drafter(layer_config(tc), min(cfg.draft_vocab_size, tc.vocab_size), tc.vocab_size)
+    drafter = Eagle3Drafter(layer_config(tc), min(cfg.draft_vocab_size, tc.vocab_size), tc.vocab_size,
+                            **{k: getattr(cfg, k) for k in SWITCHES})
     if dataset is not None:
         ids = draft_vocab(dataset, tc.vocab_size, cfg.draft_vocab_size)
         drafter.d2t.copy_(ids - torch.arange(len(ids)))  # target id = draft id + d2t[draft id]
@@ -271,8 +323,9 @@ def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
     names = feature_names(cfg, target.config)
     return FeatureProposer(
         drafter, target, names,
-        to_hidden=lambda feats: drafter.fc(aux_features(feats, names)),
-        step=drafter.step,
+        to_hidden=lambda feats: drafter.fuse(aux_features(feats, names)),
+        # The proposer keeps each node's carried output: its children's hidden input and its logits.
+        step=lambda *args: drafter.carry(drafter.step(*args)),
         logits=drafter.target_vocab_logits,
     )
 
@@ -291,6 +344,10 @@ SERVE_FORMAT, vllm_serving = "speculators", vllm_method("eagle3")
 # `speculators`: vLLM speculators' `Eagle3Speculator`, which vLLM serves on its own.
 
 def write_sglang(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
+    on = [k for k in SWITCHES if getattr(cfg, k)]
+    if on:  # SGLang's `norm_output` means something else (where the final norm sits), and it has no norm_before_fc
+        raise DraftsmithError(f"export: an EAGLE-3.1 head ({', '.join(on)}) exports only as --format speculators, "
+                              "whose config vLLM reads the switches from")
     ids = aux_layers(cfg, target.config)
     config = {"architectures": ["LlamaForCausalLMEagle3"], **llama_dims(drafter),
               "draft_vocab_size": drafter.lm_head.out_features, "tie_word_embeddings": False,
@@ -311,6 +368,9 @@ def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out,
     state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
     config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
               "draft_vocab_size": drafter.lm_head.out_features, "norm_before_residual": False,
+              # Top level: vLLM reads the switches only here (inside transformer_layer_config they
+              # are reset to False, and an input_norm tensor is then dropped without an error).
+              **{k: getattr(cfg, k) for k in SWITCHES},
               "target_hidden_size": drafter.config.hidden_size,
               "eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux_layers(cfg, target.config)],  # layer inputs
               "speculators_config": {
@@ -338,7 +398,7 @@ def read_export(path, target) -> dict[str, torch.Tensor]:
 
 
 def from_export(path, config: dict, cfg: DrafterConfig, target) -> Eagle3Drafter:
-    return from_exported_head(build(cfg, target), config, read_export(path, target))
+    return from_exported_head(build(replace(cfg, **exported_switches(config)), target), config, read_export(path, target))
 
 
 # The target is never trained: it is its own original (Medusa-2 differs).

@@ -96,3 +96,52 @@ def test_ttt_loss_learns_and_greedy_stays_lossless(tiny_target):
     stats = Stats(k=4)
     out = speculative_greedy(target, eagle3.make_proposer(d.eval(), target, cfg), prompt, 4, 30, {2}, stats)
     assert out == target_greedy(target, prompt, 30, {2})
+
+
+# --- EAGLE-3.1's switches ----------------------------------------------------------------------------
+SWITCH_SETS = [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_output": True},
+               {"norm_before_fc": True, "norm_output": True}]
+
+
+@pytest.mark.parametrize("switches", SWITCH_SETS, ids=lambda s: "+".join(s))
+def test_eagle31_ttt_unroll_matches_the_proposers_steps(tiny_target, switches):
+    """Training feeds step j+1 what the proposer feeds a child: carry(out) (norm(out) under
+    norm_output); the norms before fc see target features only. A switch changes the drafts."""
+    target, _ = tiny_target
+    torch.manual_seed(0)
+    cfg = _cfg(**switches)
+    d = eagle3.build(cfg, target, _dataset()).eval()
+    with torch.no_grad():  # norms that are not the identity, so a misplaced one shows
+        for name, p in d.named_parameters():
+            if "norm" in name:
+                p.mul_(1 + 0.5 * torch.rand_like(p))
+    names = eagle3.feature_names(cfg, target.config)
+    ids = torch.randint(5, 90, (1, 14))
+    feats = target_features(target, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, names)
+    t, root, embed = ids.shape[1] - 1, 6, target.get_input_embeddings()
+    aux = torch.cat([feats[n][:, :t] for n in names if n.startswith("hidden.")], dim=-1)
+    sel = [(torch.tensor([0]), torch.tensor([root]))] * cfg.ttt_steps
+    proposer = eagle3.make_proposer(d, target, cfg)
+    with torch.no_grad():
+        train_logits = d(aux, embed(torch.nn.functional.pad(ids, (0, 4))[:, 1:]), torch.ones(1, t), sel)
+        from transformers import DynamicCache
+        cache = DynamicCache()
+        real = {n: f[:, : root + 1] for n, f in feats.items()}
+        out = proposer.step(proposer.to_hidden(real), embed(ids[:, 1 : root + 2]), torch.arange(root + 1)[None],
+                            causal_mask(root + 1, root + 1), cache)[:, -1:]
+        for j in range(cfg.ttt_steps):
+            assert torch.allclose(d.draft_logits(out)[0, 0], train_logits[j][0], atol=1e-5), j
+            pos = root + 1 + j
+            out = proposer.step(out, embed(ids[:, pos + 1 : pos + 2]), torch.tensor([[pos]]), causal_mask(1, pos + 1), cache)
+        plain = eagle3.build(_cfg(), target, _dataset()).eval()
+        plain.load_state_dict({k: v for k, v in d.state_dict().items() if k in plain.state_dict()})
+        other = plain(aux, embed(torch.nn.functional.pad(ids, (0, 4))[:, 1:]), torch.ones(1, t), sel)
+    # norm_output leaves step 0 alone (lm_head reads norm(out) either way) and changes the later steps.
+    first = 1 if switches == {"norm_output": True} else 0
+    assert torch.allclose(other[0], train_logits[0]) == (first == 1)
+    assert not torch.allclose(other[first + 1], train_logits[first + 1], atol=1e-4)
+
+
+def test_fc_norm_with_norm_before_fc_is_a_one_line_error():
+    with pytest.raises(DraftsmithError, match="drafter.fc_norm and drafter.norm_before_fc: choose one"):
+        eagle3.DrafterConfig(fc_norm=True, norm_before_fc=True)

@@ -247,3 +247,29 @@ def test_parity_compares_logits_of_every_family(tiny_target_dir, chat_jsonl, tmp
         # fp32 rounding only: the hf export saves the student with its LoRA merged, the drafter merges on load
         assert parity["logit_rows"] > 0 and parity["max_abs_logit_diff"] < 1e-5, family
         assert parity["logit_argmax_agreement"] == 1.0 and parity["passed"], family
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("speculators"), reason="speculators is not installed")
+@pytest.mark.parametrize("switches", [{"norm_before_fc": True}, {"fc_norm": True}], ids=lambda s: "+".join(s))
+def test_eagle31_exports_carry_their_switches_where_vllm_reads_them_and_speculators_runs_them(
+        tiny_target_dir, chat_jsonl, tmp_path, capsys, switches):
+    """speculators' own forward (its input_norm / fc_norm code, not ours) on the exported folder gives
+    our logits; the switches sit at the config's top level with vLLM's tensor names; SGLang's format,
+    which has no such switches, refuses the head."""
+    from safetensors.torch import load_file
+
+    run = _train(tiny_target_dir, chat_jsonl, tmp_path, "eagle3", {
+        "drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60, "drafter.norm_output": True,
+        **{f"drafter.{k}": v for k, v in switches.items()}})
+    spec = tmp_path / "spec"
+    assert main(["export", str(run / "final"), "--format", "speculators", "--out", str(spec), "--verify",
+                 "--target", str(tiny_target_dir), "--data", str(chat_jsonl)]) == 0
+    out = capsys.readouterr().out
+    assert "loaded it as Eagle3DraftModel" in out and "unused none" in out and "argmax agreement 100.0%." in out, out
+    config, state = json.loads((spec / "config.json").read_text()), load_file(spec / "model.safetensors")
+    assert config["norm_output"] is True and all(config[k] is v for k, v in switches.items())
+    expect = {"input_norm.weight"} if "norm_before_fc" in switches else {f"fc_norm.{i}.weight" for i in range(3)}
+    assert expect <= set(state) and not any("norm_before_fc" in k for k in config["transformer_layer_config"])
+    assert main(["export", str(run / "final"), "--format", "sglang", "--out", str(tmp_path / "sg"),
+                 "--target", str(tiny_target_dir)]) == 1
+    assert "exports only as --format speculators" in capsys.readouterr().err and not (tmp_path / "sg").exists()
