@@ -236,12 +236,14 @@ def max_draft_depth(cfg: DrafterConfig) -> int | None:
     return None  # autoregressive over its own drafts: any chain length or tree depth
 
 
-def build(cfg: DrafterConfig, target, dataset=None) -> Eagle3Drafter:
+def build(cfg: DrafterConfig, target, dataset=None, drafter_class=None) -> Eagle3Drafter:
+    """The head, its draft vocabulary from `dataset` and lm_head warm-started from the target's rows.
+    `drafter_class`: P-EAGLE's, which is this body with another forward."""
     tc = target.config
     # The saved config names the exact layers, whatever the default is when it is read back.
     cfg.aux_layers = aux_layers(cfg, tc)
-    drafter = Eagle3Drafter(layer_config(tc), min(cfg.draft_vocab_size, tc.vocab_size), tc.vocab_size,
-                            **{k: getattr(cfg, k) for k in SWITCHES})
+    drafter = (drafter_class or Eagle3Drafter)(layer_config(tc), min(cfg.draft_vocab_size, tc.vocab_size), tc.vocab_size,
+                                               **{k: getattr(cfg, k, False) for k in SWITCHES})
     if dataset is not None:
         ids = draft_vocab(dataset, tc.vocab_size, cfg.draft_vocab_size)
         drafter.d2t.copy_(ids - torch.arange(len(ids)))  # target id = draft id + d2t[draft id]
@@ -262,6 +264,27 @@ def aux_features(feats: dict, names: tuple[str, ...]) -> torch.Tensor:
     return torch.cat([feats[n] for n in names if n.startswith("hidden.")], dim=-1)
 
 
+def teacher_rows(core, lm_head, ids, lmask, last):
+    """The target's draft-vocabulary distribution at every position that is some draft's label
+    (position p is the label position of token p+1, counted iff lmask[p+1]), computed once in
+    chunks over the full vocabulary -> (row_of [B, T]: position -> row or -1, logits [rows, V_draft],
+    keep [rows]: 1 where the target's argmax is in the draft vocabulary, where EAGLE-3 trains)."""
+    need = lmask[:, 1:].bool()
+    nb, np_ = need.nonzero(as_tuple=True)
+    row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
+    row_of[nb, np_] = torch.arange(len(nb), device=ids.device)
+
+    def chunk(c: int):  # one full-vocabulary chunk alive at a time
+        full = lm_head(last[nb[c:c + 4096], np_[c:c + 4096]].to(lm_head.weight.dtype)).float()
+        return core.t2d[full.argmax(-1)].float(), full[:, core.t2d]
+
+    # A sharded target (ZeRO-3, FSDP) gathers lm_head on every call, on all ranks together: every
+    # rank makes as many calls as the rank with the most rows (extra ones on no rows).
+    calls = max_over_ranks(-(-len(nb) // 4096), ids.device)
+    parts = [chunk(c) for c in range(0, 4096 * calls, 4096)] or [chunk(0)]  # chunk(0) of no rows: empty
+    return row_of, torch.cat([p for _, p in parts]), torch.cat([k for k, _ in parts])
+
+
 def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
     """Returns (loss_sum, n_tokens, metric_sums); n_tokens counts step-0 positions.
 
@@ -278,24 +301,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     ids_ext = torch.nn.functional.pad(ids, (0, cfg.ttt_steps + 1))
     lmask_ext = torch.nn.functional.pad(lmask, (0, cfg.ttt_steps + 1))
     with torch.no_grad():
-        # The target's distribution at every position that is some step's label (position p is the
-        # label position of token p+1), computed once for all steps in chunks over the full vocab;
-        # only the argmax and the draft-vocab slice are kept.
-        need = lmask[:, 1:].bool()
-        nb, np_ = need.nonzero(as_tuple=True)
-        row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
-        row_of[nb, np_] = torch.arange(len(nb), device=ids.device)
-        def chunk(c: int):  # one full-vocabulary chunk alive at a time
-            full = lm_head(last[nb[c:c + 4096], np_[c:c + 4096]].to(lm_head.weight.dtype)).float()
-            # EAGLE-3 trains only where the target's choice is in the draft vocabulary.
-            return core.t2d[full.argmax(-1)].float(), full[:, core.t2d]
-
-        # A sharded target (ZeRO-3, FSDP) gathers lm_head on every call, on all ranks together: every
-        # rank makes as many calls as the rank with the most rows (extra ones on no rows).
-        calls = max_over_ranks(-(-len(nb) // 4096), ids.device)
-        parts = [chunk(c) for c in range(0, 4096 * calls, 4096)] or [chunk(0)]  # chunk(0) of no rows: empty
-        keep_all, draft_all = torch.cat([k for k, _ in parts]), torch.cat([p for _, p in parts])
-        del parts
+        row_of, draft_all, keep_all = teacher_rows(core, lm_head, ids, lmask, last)
         selections, labels = [], []
         for j in range(cfg.ttt_steps):
             # Step j of chain r predicts t_{r+j+2}: counted iff that token exists and is trained
@@ -370,7 +376,7 @@ def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out,
               "draft_vocab_size": drafter.lm_head.out_features, "norm_before_residual": False,
               # Top level: vLLM reads the switches only here (inside transformer_layer_config they
               # are reset to False, and an input_norm tensor is then dropped without an error).
-              **{k: getattr(cfg, k) for k in SWITCHES},
+              **{k: getattr(cfg, k, False) for k in SWITCHES},
               "target_hidden_size": drafter.config.hidden_size,
               "eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux_layers(cfg, target.config)],  # layer inputs
               "speculators_config": {

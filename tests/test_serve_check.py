@@ -17,8 +17,9 @@ from draftsmith import DraftsmithError
 from draftsmith.data import vllm_server
 from draftsmith.eval.serve_check import serve_check, tau_tolerance, vllm_acceptance
 
+EAGLE3 = {"drafter.type": "eagle3", "drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60}
 FAMILIES = {
-    "eagle3": {"drafter.type": "eagle3", "drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60},
+    "eagle3": EAGLE3,
     "eagle": {"drafter.type": "eagle"},
     # A reduced head vocabulary the way vLLM serves it: one shared lm_head (the target's rows) + token_map.
     "medusa": {"drafter.type": "medusa", "drafter.num_heads": 3, "drafter.draft_vocab_size": 60,
@@ -26,6 +27,13 @@ FAMILIES = {
     "medusa2": {"drafter.type": "medusa", "drafter.num_heads": 3, "drafter.backbone": "lora",
                 "drafter.backbone_lr": 1e-3, "drafter.draft_vocab_size": 60, "drafter.original_lm_head": True},
     "distill": {"drafter.type": "distill", "drafter.num_layers": 2},
+    # EAGLE-3.1: speculators' defaults (norm_before_fc + norm_output), and fc_norm instead.
+    "eagle3.1": {**EAGLE3, "drafter.norm_before_fc": True, "drafter.norm_output": True},
+    "eagle3.1-fc_norm": {**EAGLE3, "drafter.fc_norm": True, "drafter.norm_output": True},
+    # Block drafters: one drafter pass per round.
+    "peagle": {"drafter.type": "peagle", "drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60,
+               "drafter.depths": 4},
+    "dflash": {"drafter.type": "dflash", "drafter.aux_layers": [0, 1, 2], "drafter.block_size": 4},
 }
 
 
@@ -140,7 +148,8 @@ def test_a_broken_export_fails_with_a_tau_difference(pattern, trained, target_se
 
 @needs_vllm
 @pytest.mark.vllm_families
-@pytest.mark.parametrize("family", ["eagle", "medusa", "medusa2", "distill"])
+@pytest.mark.parametrize("family", ["eagle", "medusa", "medusa2", "distill", "eagle3.1", "eagle3.1-fc_norm",
+                                    "peagle", "dflash"])
 def test_every_family_vllm_serves_passes(pattern, trained, target_server, tmp_path, family):
     # Medusa-2 serves its own trained backbone: the shared target-only server does not apply.
     r = _check(pattern, None if family == "medusa2" else target_server, trained(family), tmp_path / "sc")

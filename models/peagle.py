@@ -1,0 +1,314 @@
+"""P-EAGLE: parallel EAGLE (arXiv:2602.01469), the EAGLE-3 body drafting K tokens in ONE pass.
+
+EAGLE-3 (models/eagle3.py) runs its layer once per draft token. P-EAGLE appends K-1 *mask slots*
+to the bonus slot and reads all K drafts off one forward:
+
+    slot        token input           hidden input                   position   predicts
+    bonus       x_n (newest token)    fc(target features of x_{n-1})  n-1        x_{n+1}  (draft 1)
+    mask d      embed(mask_token_id)  fc(mask_hidden), learned        n-1+d      x_{n+1+d} (draft d+1)
+
+Attention is causal: a mask slot sees every real slot up to the bonus and the mask slots before it
+(vLLM 0.32 serves it so: speculators `peagle`, method `eagle3` with `parallel_drafting`).
+Training packs, per sequence, every real slot plus sampled chains of mask slots into one pass
+(depth d keeps about n * max(r^d, r_min) anchors, r = 0.7, r_min = 0.2: deep drafts are rarer
+and cheaper), all slots weighted alike; no training-time-test unroll.
+
+`mask_hidden` lives in raw target-feature space [3H] (vLLM passes it through the same norm and fc
+as real features). The mask token's embedding is the target's own, frozen: any id works, since
+the learned part of a mask slot is mask_hidden. Default: the target's pad token, else its eos
+(speculators' fallback when a tokenizer has no mask token; SmolLM2, Llama-3 and Qwen have none).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from draftsmith import DraftsmithError
+from draftsmith.models.common import (causal_mask, crop_cache, Draft, frozen_target, from_exported_head, load_state,
+                                      no_held_out_metrics, renamed, single_group, target_as_original,
+                                      trains_target_never)
+from draftsmith.models.eagle import unroll_activation_bytes
+from draftsmith.models.eagle3 import (aux_features, aux_layers, build as build_eagle3, Eagle3Drafter,
+                                      exported_aux_layers, feature_names, speculators_load_check, teacher_rows,
+                                      write_speculators)
+from draftsmith.util.losses import check_loss, TOKEN_LOSSES
+
+NAME = "peagle"
+
+
+@dataclass
+class DrafterConfig:
+    aux_layers: list | None = None
+    """0-based target layers whose outputs are fused (as EAGLE-3's; default [1, L//2 - 1, L - 4])."""
+    draft_vocab_size: int = 32000
+    depths: int = 4
+    """K: drafts per pass (the bonus slot + K-1 mask slots); serve with num_speculative_tokens <= K."""
+    keep_ratio: float = 0.7
+    """Depth d (>= 1) trains on about n * max(keep_ratio^d, keep_min) of the n anchors of a sequence."""
+    keep_min: float = 0.2
+    loss: str = "ce"
+    """Token loss per slot: ce, or the acceptance-targeting tvd, nla, lk_hybrid (draftsmith/util/losses.py)."""
+    norm_before_fc: bool = False
+    """EAGLE-3.1's RMSNorm over the concatenated target layers (vLLM's peagle loader reads no fc_norm)."""
+    mask_token_id: int | None = None
+    """The token fed at mask slots; default the target's pad token, else its eos."""
+
+    def __post_init__(self):
+        check_loss(self.loss, "drafter.loss", TOKEN_LOSSES)
+        if self.depths < 2:
+            raise DraftsmithError(f"drafter.depths: expected >= 2 parallel drafts (1 is EAGLE-3), got {self.depths}")
+        if not 0 < self.keep_min <= self.keep_ratio <= 1:
+            raise DraftsmithError(f"drafter.keep_ratio / keep_min: expected 0 < keep_min <= keep_ratio <= 1, got "
+                                  f"{self.keep_ratio} / {self.keep_min}")
+
+
+def mask_token(cfg: DrafterConfig, target_config) -> int:
+    if cfg.mask_token_id is not None:
+        mid = cfg.mask_token_id
+    else:
+        mid = target_config.pad_token_id if target_config.pad_token_id is not None else target_config.eos_token_id
+        mid = mid[0] if isinstance(mid, list) else mid
+    if not isinstance(mid, int) or not 0 <= mid < target_config.vocab_size:
+        raise DraftsmithError(f"drafter.mask_token_id: expected an id in [0, {target_config.vocab_size - 1}] (the "
+                              f"target's vocabulary), got {mid}")
+    return mid
+
+
+def max_draft_depth(cfg: DrafterConfig) -> int | None:
+    return cfg.depths  # one pass, one slot per draft position
+
+
+class PEagleDrafter(Eagle3Drafter):
+    """EAGLE-3's body (one decoder layer over [norm(embed); norm(hidden)], its draft vocabulary) plus
+    the learned `mask_hidden` [1, 1, 3H], standard-normal as speculators and SpecForge start it;
+    forward is the one parallel pass (`packed_inputs`), so DDP/FSDP see one forward per backward."""
+
+    def __init__(self, config, draft_vocab: int, target_vocab: int, **switches):
+        super().__init__(config, draft_vocab, target_vocab, **switches)
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, self.fc.in_features))
+
+    def forward(self, aux, embeds, mask_embed, padding, chains):
+        return self.step(*packed_inputs(self, aux, embeds, mask_embed, padding, chains))
+
+
+def build(cfg: DrafterConfig, target, dataset=None) -> PEagleDrafter:
+    cfg.aux_layers = aux_layers(cfg, target.config)  # the saved config names the exact layers and token
+    cfg.mask_token_id = mask_token(cfg, target.config)
+    return build_eagle3(cfg, target, dataset, drafter_class=PEagleDrafter)
+
+
+def rebuild(meta: dict, target):
+    return build(DrafterConfig(**{k: v for k, v in meta["drafter_config"].items() if k != "type"}), target)
+
+
+def sample_chains(row_of: torch.Tensor, t: int, cfg: DrafterConfig) -> list[list[tuple[int, int]]]:
+    """Per sequence, the (anchor a, depth d) mask slots to train this step (COD sampling, P-EAGLE
+    sec. 3). A slot (a, d) predicts x_{a+d+2}, whose target distribution is label row a+d+1; it
+    exists iff that row is trained (row_of >= 0). Chains are contiguous: depth d is drawn from the
+    anchors that kept depth d-1, so every kept slot's chain is whole, as at inference."""
+    chains = []
+    for rows in row_of.tolist():
+        alive = [a for a in range(t) if rows[a + 1] >= 0]  # anchors with a trained depth-0 label
+        n, slots = len(alive), []
+        for d in range(1, cfg.depths):
+            pool = [a for a in alive if a + d + 1 < len(rows) and rows[a + d + 1] >= 0]
+            size = min(len(pool), int((n - d) * max(cfg.keep_ratio ** d, cfg.keep_min)))
+            if size <= 0:
+                break
+            alive = sorted(pool[i] for i in torch.randperm(len(pool))[:size].tolist())
+            slots += [(a, d) for a in alive]
+        chains.append(slots)
+    return chains
+
+
+def packed_inputs(core, aux, embeds, mask_embed, padding, chains):
+    """One pass's inputs: the t real slots of each sequence, then its mask slots (padded to the
+    longest list) -> hidden [B, t+M, H], token embeds, positions [B, t+M], mask [B, 1, t+M, t+M].
+
+    Real slot i: (fc(target features of x_i), embed(x_{i+1})) at position i, causal. Mask slot
+    (a, d): (fc(mask_hidden), embed(mask)) at position a+d, seeing real slots <= a and its own
+    chain's slots of depth <= d: exactly the causal view vLLM gives draft d+1 at serving time."""
+    bsz, t, h = aux.shape[0], aux.shape[1], core.fc.out_features
+    m = max((len(c) for c in chains), default=0)
+    device = aux.device
+    hidden = torch.cat([core.fuse(aux), core.fuse(core.mask_hidden).expand(bsz, m, h)], dim=1)
+    tokens = torch.cat([embeds, mask_embed.expand(bsz, m, -1)], dim=1)
+    pos = torch.arange(t + m, device=device)[None].repeat(bsz, 1)
+    mask = torch.zeros(bsz, 1, t + m, t + m, dtype=torch.bool, device=device)
+    mask[:, :, :t, :t] = causal_mask(t, t, padding, device=device)
+    for b, slots in enumerate(chains):
+        index = {s: t + j for j, s in enumerate(slots)}
+        for j, (a, d) in enumerate(slots):
+            q = t + j
+            pos[b, q] = a + d
+            mask[b, 0, q, : a + 1] = padding[b, : a + 1].bool()
+            for dd in range(1, d + 1):
+                mask[b, 0, q, index[(a, dd)]] = True
+        for q in range(t + len(slots), t + m):  # padding slots see themselves only (never a label)
+            mask[b, 0, q, q] = True
+    return hidden, tokens, pos, mask
+
+
+def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
+    """Returns (loss_sum, n_tokens, metric_sums): the token loss summed over every trained slot, real
+    and mask; n_tokens counts the real (depth-0) slots, so each depth weighs by its slot count (as
+    speculators' plain average over slots, up to a constant). acc{d}: hits of draft d+1."""
+    ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    core = getattr(drafter, "module", drafter)
+    names = feature_names(cfg, target.config)
+    t = ids.shape[1] - 1
+    with torch.no_grad():
+        row_of, draft_all, keep_all = teacher_rows(core, target.get_output_embeddings(), ids, lmask,
+                                                   feats["last_hidden"])
+        chains = sample_chains(row_of, t, cfg)
+    embed = target.get_input_embeddings()
+    aux = aux_features(feats, names)[:, :t].to(core.fc.weight.dtype)
+    mask_embed = embed(torch.tensor([[cfg.mask_token_id]], device=ids.device))
+    out = drafter(aux, embed(ids[:, 1:]), mask_embed, attn[:, :t], chains)
+    # Depth 0: real slot i predicts x_{i+2} (label row i+1); slot (a, d) predicts label row a+d+1.
+    b0, i0 = (row_of[:, 1:] >= 0).nonzero(as_tuple=True)
+    sel = [(b0, i0, row_of[b0, i0 + 1], torch.zeros_like(b0))]
+    extra = [(b, t + j, row_of[b, a + d + 1].item(), d) for b, slots in enumerate(chains) for j, (a, d) in enumerate(slots)]
+    if extra:
+        sel.append(tuple(torch.tensor(c, device=ids.device) for c in zip(*extra)))
+    b_idx, s_idx, rows, depth = (torch.cat(c) for c in zip(*sel))
+    logits = core.draft_logits(out[b_idx, s_idx])
+    t_draft, keep = draft_all[rows], keep_all[rows]
+    loss = TOKEN_LOSSES[cfg.loss](logits, t_draft, keep)
+    with torch.no_grad():
+        hits = (logits.argmax(-1) == t_draft.argmax(-1)).float() * keep
+        metrics = {("acc" if d == 0 else f"acc{d}"): hits[depth == d].sum() for d in range(cfg.depths)}
+    return loss, keep[depth == 0].sum().long(), metrics
+
+
+class ParallelProposer:
+    """P-EAGLE drafting: one drafter pass per round over the real pairs not cached yet, the bonus
+    slot among them (pair (target features of x_{n-2}, x_{n-1}) at position n-2), and k-1 mask slots
+    at positions n-1.., causal. The drafter's KV cache keeps the real pairs across rounds; the mask
+    slots are cropped away before the next round. Chains only (one slot per depth)."""
+
+    def __init__(self, drafter, target, cfg: DrafterConfig):
+        self.drafter, self.cfg = drafter.eval(), cfg
+        self.feature_names = feature_names(cfg, target.config)
+        self.embed = target.get_input_embeddings()
+        self.max_depth = cfg.depths
+        self.reset()
+
+    def reset(self):
+        self.cache, self.n_real = DynamicCache(), 0
+
+    @torch.no_grad()
+    def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> Draft:
+        d, device = self.drafter, tokens.device
+        crop_cache(self.cache, self.n_real)  # drop last round's mask slots
+        n_feats = next(iter(feats.values())).shape[1]
+        new = {name: f[:, self.n_real:] for name, f in feats.items()}
+        m = min(k, self.cfg.depths) - 1
+        hidden = torch.cat([d.fuse(aux_features(new, self.feature_names)), d.fuse(d.mask_hidden).expand(1, m, -1)], 1)
+        mask_ids = torch.full((1, m), self.cfg.mask_token_id, device=device)
+        emb = self.embed(torch.cat([tokens[:, self.n_real + 1 : n_feats + 1], mask_ids], dim=1))
+        t = n_feats - self.n_real + m
+        pos = torch.arange(self.n_real, n_feats + m, device=device)[None]
+        out = d.step(hidden.to(emb.dtype), emb, pos, causal_mask(t, n_feats + m, device=device), self.cache)
+        self.n_real = n_feats
+        draft = Draft()
+        for i, logits in enumerate(d.target_vocab_logits(out[:, -(m + 1):])[0]):  # bonus slot, then mask slots
+            q = None if sampler is None else sampler.probs(logits)
+            draft.add(int(logits.argmax()) if q is None else sampler.sample(q), i - 1, q)
+        return draft
+
+    def propose_tree(self, tokens, feats, spec):
+        raise DraftsmithError("--tree: P-EAGLE drafts one chain per pass; evaluate it with chains (--k)")
+
+
+def make_proposer(drafter, target, cfg: DrafterConfig) -> ParallelProposer:
+    return ParallelProposer(drafter, target, cfg)
+
+
+# One module trained at optim.lr; the target stays frozen and is its own original.
+param_groups, verifier = single_group, frozen_target
+trains_target, original = trains_target_never, target_as_original
+
+
+def from_init(cfg: DrafterConfig, init_config: dict, target_config) -> DrafterConfig:
+    """`init_from` a P-EAGLE head: its layers, its norm and its mask token (an export names them at
+    the top level, a final/ in its drafter config)."""
+    own = init_config["drafter_config"] if "draftsmith_format" in init_config else init_config
+    ids = exported_aux_layers(init_config, target_config)
+    if cfg.aux_layers and ids is not None and list(cfg.aux_layers) != ids:
+        raise DraftsmithError(f"drafter.aux_layers: the recipe names {list(cfg.aux_layers)} but the init_from head "
+                              f"was trained on layers {ids} (layer outputs); drop the key or use {ids}")
+    return replace(cfg, aux_layers=ids or cfg.aux_layers, norm_before_fc=bool(own.get("norm_before_fc", False)),
+                   mask_token_id=own.get("mask_token_id", cfg.mask_token_id))
+
+
+# --- the speculators `peagle` format (vLLM 0.32: method eagle3 + parallel_drafting) -----------------
+SERVE_FORMAT = "speculators"
+
+
+def vllm_serving(export_dir, export_config: dict, k: int) -> tuple[dict, list[str]]:
+    # Without parallel_drafting vLLM runs the head as plain EAGLE-3 (and skips mask_hidden with a warning).
+    return {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k, "parallel_drafting": True}, []
+
+
+def write_peagle(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
+    import json
+    from pathlib import Path
+
+    write_speculators(drafter, cfg, target, {**meta, "k": cfg.depths}, tok, out, info)  # EAGLE-3's fields and tensors
+    path = Path(out) / "config.json"
+    config = json.loads(path.read_text())
+    config.update({"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle",
+                   # vLLM's peagle loader reads mask_token_id (its pard_token) and norm_before_fc, no other switch.
+                   "mask_token_id": cfg.mask_token_id, "norm_before_fc": cfg.norm_before_fc})
+    for key in ("fc_norm", "norm_output"):
+        config.pop(key, None)
+    config["speculators_config"]["algorithm"] = "peagle"
+    path.write_text(json.dumps(config, indent=2))
+
+
+EXPORTS = {"speculators": write_peagle}
+
+
+def recognises(config: dict, tensor_names: set[str]) -> bool:
+    return config.get("speculators_model_type") == "peagle" or (config.get("architectures") or ["?"])[0] == "PEagleSpeculator"
+
+
+def read_export(path, target) -> dict[str, torch.Tensor]:
+    state = load_state(path)
+    state.pop("embed_tokens.weight", None)  # the target's own embeddings
+    state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1)  # vLLM takes any shape of 3H elements
+    return renamed(state, "layers.0.", "midlayer.")
+
+
+def from_export(path, config: dict, cfg: DrafterConfig, target):
+    cfg = replace(cfg, norm_before_fc=bool(config.get("norm_before_fc", False)),
+                  mask_token_id=config.get("mask_token_id", cfg.mask_token_id))
+    return from_exported_head(build(cfg, target), config, read_export(path, target))
+
+
+def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
+    return (f"```bash\nvllm serve {repo_id}   # the speculators config names the verifier, {target}, and turns on "
+            f"parallel drafting\n```")
+
+
+def consumer_check(exported, target, ours, prompt_ids) -> dict | None:
+    """speculators' own loader on the export (every tensor arrives unchanged); its P-EAGLE forward
+    is not run here (the vLLM serve-check runs the engine's)."""
+    check, _ = speculators_load_check(exported)
+    return {**check, "consumer": "speculators"}
+
+
+def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, elem: int) -> int:
+    """`plan`: one pass over the real slots plus about n * sum_d max(r^d, r_min) mask slots."""
+    slots = 1 + sum(max(cfg.keep_ratio ** d, cfg.keep_min) for d in range(1, cfg.depths))
+    return unroll_activation_bytes(tc, batch, length, elem, math.ceil(slots), cfg.draft_vocab_size or tc.vocab_size)
+
+
+DEFAULT_TREE = None  # chains: one slot per depth
+held_out_metrics = no_held_out_metrics
