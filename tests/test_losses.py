@@ -128,3 +128,25 @@ def test_every_token_loss_is_minimal_at_the_target_and_an_unknown_name_lists_the
 
     with pytest.raises(DraftsmithError, match=r"drafter.loss: unknown loss 'kl' \(valid: ce, tvd, nla, lk_hybrid\)"):
         check_loss("kl", "drafter.loss", TOKEN_LOSSES)
+
+
+# --- DFlash per-slot weights ---------------------------------------------------------------------------
+from draftsmith.util.losses import decay_position_weights, dpace_position_weights  # noqa: E402
+
+
+def test_decay_weights_skip_the_bonus_slot_and_start_at_one():
+    w = decay_position_weights(5, 4.0)
+    assert w[0] == 0 and w[1] == 1
+    assert torch.allclose(w[1:], torch.exp(-torch.arange(4.0) / 4.0))
+    assert (w[2:] < w[1:-1]).all()  # strictly decreasing after slot 1
+
+
+def test_dpace_weights_are_suffix_counts_when_confident_and_shrink_with_doubt():
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0]])
+    ones = dpace_position_weights(torch.ones(2, 4), mask)
+    assert ones.tolist() == [[0, 3, 2, 1], [0, 2, 1, 0]]  # every later trained slot counts once
+    assert torch.equal(dpace_position_weights(torch.zeros(2, 4), mask, alpha=1.0), ones)
+    # q = 0 with alpha 0.5: s = 0.5 per slot, P = 0.5, 0.25, 0.125 -> suffix sums.
+    half = dpace_position_weights(torch.zeros(1, 4), mask[:1], alpha=0.5)
+    assert torch.allclose(half, torch.tensor([[0, 0.875, 0.375, 0.125]]))
+    assert (dpace_position_weights(torch.rand(2, 4), mask) <= ones).all()

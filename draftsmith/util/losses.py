@@ -141,3 +141,32 @@ def check_loss(name: str, field: str, table: dict) -> str:
     if name not in table:
         raise DraftsmithError(f"{field}: unknown loss '{name}' (valid: {', '.join(table)})")
     return name
+
+
+# --- DFlash per-slot weights (Chen, Liang, Liu 2026, "DFlash: Block Diffusion for Flash Speculative
+# Decoding", arXiv:2602.06036) ------------------------------------------------------------------------
+# A DFlash block is [bonus, mask x (B-1)]: slot k (1 <= k < B) drafts the k-th token after the bonus;
+# slot 0 is the bonus itself and is never trained. Draft k is only useful if drafts 1..k-1 were
+# accepted, so early slots weigh more. Both functions return weights to multiply per-slot losses by.
+
+def decay_position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """DFlash's fixed decay: w [block_size] with w_0 = 0 (the bonus slot) and w_k = exp(-(k-1)/gamma)
+    for k >= 1, so slot 1 has weight 1 (speculators `losses/utils.py`, dflash_decay_gamma = 4.0;
+    SpecForge's DFlash recipes use gamma = 7 with B = 16)."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    return torch.where(k > 0, torch.exp(-(k - 1) / gamma), torch.zeros(()))
+
+
+def dpace_position_weights(confidence: torch.Tensor, mask: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """D-PACE weights (speculators `losses/utils.py` and SpecForge `dflash_family_model.py`): the
+    expected number of drafts a slot's acceptance unlocks.
+
+    confidence: q_j [N, B], the drafter's probability of slot j's label (exp(-CE_j), detached);
+    mask: [N, B] (1 = slot trained; slot 0 is 0). With s_j = (1 - alpha) q_j + alpha on trained
+    slots and 1 elsewhere, P_j = prod_{i <= j} s_i (the chance that drafts up to j are accepted),
+    w_k = mask_k * sum_{j >= k} P_j mask_j. Returns w [N, B], detached. All q = 1 gives suffix
+    counts of the trained slots; alpha = 1 ignores confidence the same way."""
+    q, m = confidence.detach().float(), mask.float()
+    s = torch.where(m > 0, (1 - alpha) * q + alpha, torch.ones_like(q))
+    p = s.cumprod(-1) * m
+    return p.flip(-1).cumsum(-1).flip(-1) * m
