@@ -190,7 +190,8 @@ class ParallelProposer:
     """P-EAGLE drafting: one drafter pass per round over the real pairs not cached yet, the bonus
     slot among them (pair (target features of x_{n-2}, x_{n-1}) at position n-2), and k-1 mask slots
     at positions n-1.., causal. The drafter's KV cache keeps the real pairs across rounds; the mask
-    slots are cropped away before the next round. Chains only (one slot per depth)."""
+    slots are cropped away before the next round. Chains only (one slot per depth): no
+    `propose_tree`, so the engine refuses --tree with its one-line error and `compare` drafts chains."""
 
     def __init__(self, drafter, target, cfg: DrafterConfig):
         self.drafter, self.cfg = drafter.eval(), cfg
@@ -221,9 +222,6 @@ class ParallelProposer:
             q = None if sampler is None else sampler.probs(logits)
             draft.add(int(logits.argmax()) if q is None else sampler.sample(q), i - 1, q)
         return draft
-
-    def propose_tree(self, tokens, feats, spec):
-        raise DraftsmithError("--tree: P-EAGLE drafts one chain per pass; evaluate it with chains (--k)")
 
 
 def make_proposer(drafter, target, cfg: DrafterConfig) -> ParallelProposer:
