@@ -142,3 +142,26 @@ def test_exports_name_a_target_serving_engines_resolve(tmp_path):
     assert served_name("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
     (tmp_path / "local").mkdir()
     assert served_name(str(tmp_path / "local")) == str((tmp_path / "local").resolve())
+
+
+def test_drafters_bench_takes_a_chain_length_per_drafter_for_block_drafters(tiny_target_dir, chat_jsonl, tmp_path):
+    """P-EAGLE drafts at most its depths per pass: `--k peagle=3` next to EAGLE-3's plain --k 5."""
+    from draftsmith.eval.bench import drafters as bench
+    from draftsmith.models import peagle
+    from draftsmith.models.target import load_target
+
+    target, _ = load_target(str(tiny_target_dir))
+    paths = {}
+    for module, cfg in ((eagle3, eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=48)),
+                        (peagle, peagle.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=48, depths=3))):
+        path = _save(tmp_path, module, cfg, target)
+        meta = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**meta, "target": str(tiny_target_dir)}))
+        paths[module.NAME] = str(path)
+    out = tmp_path / "bench.json"
+    bench.main(["--drafter", f"eagle3={paths['eagle3']}", "--drafter", f"peagle={paths['peagle']}", "--data",
+                str(chat_jsonl), "--num-prompts", "2", "--max-new-tokens", "8", "--temperature", "0",
+                "--k", "5", "--k", "peagle=3", "--out", str(out)])
+    rows = [(r["drafter"], r["k"], r["tree"]) for r in json.loads(out.read_text())["reports"]]
+    assert ("peagle", 3, None) in rows and ("eagle3", 5, None) in rows
+    assert not [r for r in rows if r[0] == "peagle" and r[2]]  # chains only

@@ -85,6 +85,13 @@ def draft_vocab_size(drafter, target) -> int:
     return head.out_features if head is not None else target.config.vocab_size
 
 
+def k_for(label: str, given: list[str]) -> int:
+    """The chain length a drafter is benchmarked with: LABEL=K, else a plain K, else 5."""
+    own = [g.split("=", 1)[1] for g in given if g.split("=", 1)[0] == label and "=" in g]
+    plain = [g for g in given if "=" not in g]
+    return int((own or plain or ["5"])[0])
+
+
 def tree_for(label: str, module, given: list[str]) -> str | None:
     """The tree a drafter is benchmarked with: LABEL=SPEC, else a plain SPEC, else its family's default."""
     own = [g.split("=", 1)[1] for g in given if g.split("=", 1)[0] == label and not g.startswith(("static:", "dynamic"))]
@@ -97,7 +104,9 @@ def main(argv=None) -> None:
     p.add_argument("--drafter", action="append", metavar="LABEL=DIR",
                    help="a trained drafter, repeatable (default: the eagle and eagle3 CPU recipes' outputs)")
     p.add_argument("--data", default="builtin:code-holdout")
-    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--k", action="append", default=[], metavar="[LABEL=]K",
+                   help="chain length for every drafter (default 5), or LABEL=K for one (a block drafter drafts "
+                        "at most its block: DFlash B-1, P-EAGLE its depths)")
     p.add_argument("--tree", action="append", default=[], metavar="[LABEL=]SPEC",
                    help="draft tree for every drafter, or LABEL=SPEC for one (Medusa needs a static tree); "
                         "default dynamic:depth=3,top_k=3,tokens=8, and for Medusa heads "
@@ -127,9 +136,10 @@ def main(argv=None) -> None:
         timed = TimedProposer(module.make_proposer(drafter, verifier, dcfg))
         tree = tree_for(name, module, args.tree)
         trees = [dict(tree=tree)] if tree and hasattr(timed.inner, "propose_tree") else []  # a student drafts chains
-        runs = [dict(k=args.k)] + trees
+        k = k_for(name, args.k)
+        runs = [dict(k=k)] + trees
         if args.temperature > 0:
-            runs += [dict(k=args.k, temperature=args.temperature)] + [{**t, "temperature": args.temperature} for t in trees]
+            runs += [dict(k=k, temperature=args.temperature)] + [{**t, "temperature": args.temperature} for t in trees]
         greedy_chain_seconds = None
         for run in runs:
             before = (timed.seconds, timed.rounds, timed.steps)
@@ -158,7 +168,7 @@ def main(argv=None) -> None:
         if verifier is not own:
             with module.original(drafter, own) as original:
                 costs[name]["drift"] = backbone_drift(original, verifier, tok, args.data, module.make_proposer(
-                    drafter, verifier, dcfg), k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
+                    drafter, verifier, dcfg), k=k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
             print(f"{name}: backbone drift {costs[name]['drift']}")
 
     print(format_table(reports))
