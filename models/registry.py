@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 from draftsmith import DraftsmithError
-from draftsmith.models import distill, eagle, eagle3, medusa, peagle
+from draftsmith.models import dflash, distill, eagle, eagle3, medusa, peagle
 from draftsmith.models.common import check_fingerprint, load_state, read_drafter_meta
 from draftsmith.models.target import fingerprint
 from draftsmith.util.parse import from_dict
@@ -20,6 +20,7 @@ DRAFTERS: dict[str, ModuleType] = {
     "eagle": eagle,
     "eagle3": eagle3,
     "peagle": peagle,
+    "dflash": dflash,
     "medusa": medusa,
     "distill": distill,  # last: `recognises` any causal LM, so published heads are asked first
 }
