@@ -157,7 +157,7 @@ def packed_inputs(core, aux, embeds, mask_embed, padding, chains):
 def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
     """Returns (loss_sum, n_tokens, metric_sums): the token loss summed over every trained slot, real
     and mask; n_tokens counts the real (depth-0) slots, so each depth weighs by its slot count (as
-    speculators' plain average over slots, up to a constant). acc{d}: hits of draft d+1."""
+    speculators' plain average over slots, up to a constant). acc{d}: draft d+1's top-1 agreement."""
     ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     core = getattr(drafter, "module", drafter)
     names = feature_names(cfg, target.config)
@@ -180,10 +180,14 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     logits = core.draft_logits(out[b_idx, s_idx])
     t_draft, keep = draft_all[rows], keep_all[rows]
     loss = TOKEN_LOSSES[cfg.loss](logits, t_draft, keep)
+    n0 = keep[depth == 0].sum()
     with torch.no_grad():
+        # The loop divides metric sums by n0: depth d's hits are scaled by n0 / n_d so that acc{d}
+        # reads as draft d+1's top-1 agreement on its own slots.
         hits = (logits.argmax(-1) == t_draft.argmax(-1)).float() * keep
-        metrics = {("acc" if d == 0 else f"acc{d}"): hits[depth == d].sum() for d in range(cfg.depths)}
-    return loss, keep[depth == 0].sum().long(), metrics
+        metrics = {("acc" if d == 0 else f"acc{d}"): hits[depth == d].sum() * n0 / keep[depth == d].sum().clamp_min(1)
+                   for d in range(cfg.depths)}
+    return loss, n0.long(), metrics
 
 
 class ParallelProposer:
