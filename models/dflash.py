@@ -27,7 +27,6 @@ looks like a real token.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch

@@ -11,7 +11,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data.features import target_features
 from draftsmith.eval.speculative import Sampler, Stats, speculative_greedy, target_greedy
 from draftsmith.models import dflash
-from draftsmith.models.export import export, export_family, import_export, init_weights
+from draftsmith.models.export import export, export_family, init_weights
 from tests.test_export import _same_decoding, _save
 
 
