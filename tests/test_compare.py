@@ -81,3 +81,25 @@ def test_training_free_and_combined_drafters_by_name_are_lossless(tiny_target_di
     assert report["lossless"] and "Cascade levels" in (tmp_path / "ev" / "report.md").read_text()
     assert main(["eval", "--cascade", f"{student},ngram", *flags, "--out", str(tmp_path / "bad")]) == 1
     assert "level 2 'ngram' cannot verify drafts" in capsys.readouterr().err
+
+
+def test_block_drafters_run_in_compare_the_batch_curve_and_the_hybrid_like_any_drafter(tiny_target_dir, chat_jsonl,
+                                                                                      tmp_path):
+    """P-EAGLE and DFlash, trained by the loop: compare (with a batch-size curve) and hybrid:PATH,
+    every greedy row lossless, chains of their own length."""
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+    from tests.test_train import _overrides
+
+    runs = {family: train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{
+        "drafter.type": family, "optim.max_steps": 2, "run": family, **extra}))) / "final"
+        for family, extra in (("peagle", {"drafter.aux_layers": [0, 1, 1], "drafter.depths": 3, "drafter.draft_vocab_size": 60}),
+                              ("dflash", {"drafter.aux_layers": [0], "drafter.block_size": 4}))}
+    out = tmp_path / "cmp"
+    assert main(["compare", "--drafter", str(runs["peagle"]), "--drafter", str(runs["dflash"]), "--drafter",
+                 f"hybrid:{runs['dflash']}", "--data", str(chat_jsonl), "--k", "3", "--num-prompts", "2",
+                 "--max-new-tokens", "8", "--batch-sizes", "1,2", "--out", str(out)]) == 0
+    reports = json.loads((out / "compare.json").read_text())
+    assert [r["drafter"].split(" ")[0] for r in reports] == ["peagle", "dflash", "hybrid"]
+    assert all(r["lossless"] and r["k"] == 3 and not r["tree"] for r in reports)
+    assert all([c["batch_size"] for c in r["batch_curve"]] == [1, 2] for r in reports)
