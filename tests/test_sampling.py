@@ -82,3 +82,24 @@ def test_top_p_keeps_the_smallest_mass_prefix():
     s = Sampler(1.0, top_p=0.7)
     p = s.probs(torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])))
     assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("family", ["peagle", "dflash"])
+def test_block_drafters_sample_losslessly(peaked_target, family):
+    """One drafter pass samples every slot from its own distribution q (independent of the slots
+    before it, which the rule allows: q only has to be known); the rule keeps the target's
+    distribution, and accepting every draft does not."""
+    from draftsmith.models.registry import drafter_module
+
+    target = peaked_target
+    torch.manual_seed(0)
+    module = drafter_module(family)
+    cfg = module.DrafterConfig(**({"aux_layers": [0, 1, 1], "draft_vocab_size": target.config.vocab_size, "depths": 3}
+                                  if family == "peagle" else {"aux_layers": [0], "block_size": 4}))
+    data = {"input_ids": [list(range(target.config.vocab_size))], "loss_mask": [[1] * target.config.vocab_size]}
+    proposer = module.make_proposer(module.build(cfg, target, data).eval(), target, cfg)
+    ref = _reference(target, 1.0, 1.0)
+    spec = _collect(lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), Sampler(1.0, 1.0, seed=s)))
+    assert chi_square_p(ref, spec) > 1e-3
+    broken = _collect(lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), AcceptAll(1.0, 1.0, seed=s)))
+    assert chi_square_p(ref, broken) < 1e-3
