@@ -129,3 +129,24 @@ def test_bad_peagle_configs_are_one_line_errors(tiny_target):
         peagle.build(_cfg(mask_token_id=10**6), target)
     with pytest.raises(DraftsmithError, match="drafter.aux_layers"):
         peagle.build(_cfg(aux_layers=[2, 1, 0]), target)
+
+
+def test_init_from_a_peagle_export_takes_its_layers_norm_and_mask_token(tiny_target, tmp_path):
+    from draftsmith.models.common import save_drafter
+    from draftsmith.models.export import export, init_weights, read_config
+    from draftsmith.models.target import fingerprint
+
+    target, _ = tiny_target
+    torch.manual_seed(0)
+    cfg = _cfg(norm_before_fc=True, mask_token_id=3)
+    d = peagle.build(cfg, target, {"input_ids": [list(range(5, 90))], "loss_mask": [[1] * 85]})
+    meta = {"drafter": "peagle", "drafter_config": {"type": "peagle", **cfg.__dict__}, "target": "tiny",
+            "target_fingerprint": fingerprint(target)}
+    out = export(save_drafter(d, tmp_path / "final", meta), target, "speculators", tmp_path / "spec")
+    fresh_cfg = peagle.from_init(peagle.DrafterConfig(draft_vocab_size=60, depths=4), read_config(out), target.config)
+    assert (fresh_cfg.aux_layers, fresh_cfg.norm_before_fc, fresh_cfg.mask_token_id) == ([0, 1, 1], True, 3)
+    fresh = peagle.build(fresh_cfg, target, {"input_ids": [list(range(5, 90))], "loss_mask": [[1] * 85]})
+    init_weights(fresh, "peagle", out, target)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in d.state_dict().items())
+    with pytest.raises(DraftsmithError, match="drafter.aux_layers: the recipe names"):
+        peagle.from_init(_cfg(aux_layers=[0, 0, 1]), read_config(out), target.config)
