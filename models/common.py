@@ -96,6 +96,19 @@ def single_group(drafter: torch.nn.Module, cfg, lr: float) -> list[dict]:
     return [{"name": "drafter", "params": [p for p in drafter.parameters() if p.requires_grad], "lr": lr}]
 
 
+def mask_token(requested: int | None, target_config) -> int:
+    """A block drafter's mask token (`drafter.mask_token_id`): the id asked for, else the target's pad
+    token, else its eos (speculators' fallback for a tokenizer without a mask token or a spare row)."""
+    mid = requested
+    if mid is None:
+        mid = target_config.pad_token_id if target_config.pad_token_id is not None else target_config.eos_token_id
+        mid = mid[0] if isinstance(mid, list) else mid
+    if not isinstance(mid, int) or not 0 <= mid < target_config.vocab_size:
+        raise DraftsmithError(f"drafter.mask_token_id: expected an id in [0, {target_config.vocab_size - 1}] (the "
+                              f"target's vocabulary), got {mid}")
+    return mid
+
+
 def keep_config(cfg, init_config: dict, target_config):
     """`from_init` of a family whose config does not depend on the drafter it starts from."""
     return cfg

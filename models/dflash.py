@@ -37,7 +37,7 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRM
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import (Draft, frozen_target, from_exported_head, layer_activation_bytes, llama_dims,
-                                      load_state, max_over_ranks, no_held_out_metrics, single_group,
+                                      load_state, mask_token, max_over_ranks, no_held_out_metrics, single_group,
                                       target_as_original, trains_target_never, vllm_method, vllm_snippet,
                                       write_tensors)
 from draftsmith.models.eagle import layer_config
@@ -97,17 +97,6 @@ def aux_layers(cfg: DrafterConfig, target_config) -> list[int]:
         raise DraftsmithError(f"drafter.aux_layers: expected distinct increasing layer ids in [0, {n - 2}] (the "
                               f"last layer's output differs in vLLM: pre-norm), got {layers}{default}")
     return layers
-
-
-def mask_token(cfg: DrafterConfig, target_config) -> int:
-    mid = cfg.mask_token_id
-    if mid is None:
-        mid = target_config.pad_token_id if target_config.pad_token_id is not None else target_config.eos_token_id
-        mid = mid[0] if isinstance(mid, list) else mid
-    if not isinstance(mid, int) or not 0 <= mid < target_config.vocab_size:
-        raise DraftsmithError(f"drafter.mask_token_id: expected an id in [0, {target_config.vocab_size - 1}] (the "
-                              f"target's vocabulary), got {mid}")
-    return mid
 
 
 def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
@@ -183,7 +172,7 @@ class DFlashDrafter(nn.Module):
 def build(cfg: DrafterConfig, target, dataset=None) -> DFlashDrafter:
     tc = target.config
     cfg.aux_layers = aux_layers(cfg, tc)  # the saved config names the exact layers and token
-    cfg.mask_token_id = mask_token(cfg, tc)
+    cfg.mask_token_id = mask_token(cfg.mask_token_id, tc)
     config = layer_config(tc)  # the target's dimensions and RoPE (theta, scaling)
     config.num_hidden_layers = cfg.num_layers
     return DFlashDrafter(config, len(cfg.aux_layers), config.hidden_size)

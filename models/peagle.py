@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import (causal_mask, crop_cache, Draft, frozen_target, from_exported_head, load_state,
-                                      no_held_out_metrics, renamed, single_group, target_as_original,
+                                      mask_token, no_held_out_metrics, renamed, single_group, target_as_original,
                                       trains_target_never)
 from draftsmith.models.eagle import unroll_activation_bytes
 from draftsmith.models.eagle3 import (aux_features, aux_layers, build as build_eagle3, Eagle3Drafter,
@@ -67,18 +67,6 @@ class DrafterConfig:
                                   f"{self.keep_ratio} / {self.keep_min}")
 
 
-def mask_token(cfg: DrafterConfig, target_config) -> int:
-    if cfg.mask_token_id is not None:
-        mid = cfg.mask_token_id
-    else:
-        mid = target_config.pad_token_id if target_config.pad_token_id is not None else target_config.eos_token_id
-        mid = mid[0] if isinstance(mid, list) else mid
-    if not isinstance(mid, int) or not 0 <= mid < target_config.vocab_size:
-        raise DraftsmithError(f"drafter.mask_token_id: expected an id in [0, {target_config.vocab_size - 1}] (the "
-                              f"target's vocabulary), got {mid}")
-    return mid
-
-
 def max_draft_depth(cfg: DrafterConfig) -> int | None:
     return cfg.depths  # one pass, one slot per draft position
 
@@ -98,7 +86,7 @@ class PEagleDrafter(Eagle3Drafter):
 
 def build(cfg: DrafterConfig, target, dataset=None) -> PEagleDrafter:
     cfg.aux_layers = aux_layers(cfg, target.config)  # the saved config names the exact layers and token
-    cfg.mask_token_id = mask_token(cfg, target.config)
+    cfg.mask_token_id = mask_token(cfg.mask_token_id, target.config)
     return build_eagle3(cfg, target, dataset, drafter_class=PEagleDrafter)
 
 

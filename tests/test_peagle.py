@@ -12,6 +12,9 @@ from draftsmith.eval.speculative import Stats, speculative_greedy, target_greedy
 from draftsmith.models import peagle
 
 
+VOCAB_DATA = {"input_ids": [list(range(5, 90))], "loss_mask": [[1] * 85]}  # every token, for the draft vocabulary
+
+
 def _cfg(**kw):
     return peagle.DrafterConfig(**{"aux_layers": [0, 1, 1], "draft_vocab_size": 60, "depths": 4, **kw})
 
@@ -37,7 +40,7 @@ def test_the_packed_pass_gives_each_slot_the_logits_the_proposer_drafts_with(tin
     target, _ = tiny_target
     torch.manual_seed(0)
     cfg = _cfg()
-    d = peagle.build(cfg, target, {"input_ids": [list(range(5, 90))], "loss_mask": [[1] * 85]}).eval()
+    d = peagle.build(cfg, target, VOCAB_DATA).eval()
     names = peagle.feature_names(cfg, target.config)
     ids = torch.randint(5, 90, (1, 16))
     feats = target_features(target, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, names)
@@ -90,21 +93,27 @@ def test_peagle_learns_every_depth_and_greedy_stays_lossless(tiny_target):
     assert stats.passes < 30  # some drafts were accepted
 
 
+def _exported(target, tmp_path):
+    """A P-EAGLE head with norm_before_fc and mask token 3, saved and exported -> (cfg, head, export)."""
+    from draftsmith.models.common import save_drafter
+    from draftsmith.models.export import export
+    from draftsmith.models.target import fingerprint
+
+    torch.manual_seed(0)
+    cfg = _cfg(norm_before_fc=True, mask_token_id=3)
+    d = peagle.build(cfg, target, VOCAB_DATA)
+    meta = {"drafter": "peagle", "drafter_config": {"type": "peagle", **cfg.__dict__}, "target": "tiny",
+            "target_fingerprint": fingerprint(target)}
+    return cfg, d, export(save_drafter(d, tmp_path / "final", meta), target, "speculators", tmp_path / "spec")
+
+
 def test_speculators_peagle_export_has_what_vllm_reads_and_round_trips(tiny_target, tmp_path):
     from safetensors.torch import load_file
 
-    from draftsmith.models.common import save_drafter
-    from draftsmith.models.export import export, export_family, import_export
-    from draftsmith.models.target import fingerprint
+    from draftsmith.models.export import export_family, import_export
 
     target, _ = tiny_target
-    torch.manual_seed(0)
-    cfg = _cfg(norm_before_fc=True, mask_token_id=3)
-    d = peagle.build(cfg, target, {"input_ids": [list(range(5, 90))], "loss_mask": [[1] * 85]})
-    meta = {"drafter": "peagle", "drafter_config": {"type": "peagle", **cfg.__dict__}, "target": "tiny",
-            "target_fingerprint": fingerprint(target)}
-    final = save_drafter(d, tmp_path / "final", meta)
-    out = export(final, target, "speculators", tmp_path / "spec")
+    cfg, d, out = _exported(target, tmp_path)
     config, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
     assert config["speculators_model_type"] == "peagle" and config["architectures"] == ["PEagleSpeculator"]
     assert config["mask_token_id"] == 3 and config["norm_before_fc"] is True and "fc_norm" not in config
@@ -132,20 +141,13 @@ def test_bad_peagle_configs_are_one_line_errors(tiny_target):
 
 
 def test_init_from_a_peagle_export_takes_its_layers_norm_and_mask_token(tiny_target, tmp_path):
-    from draftsmith.models.common import save_drafter
-    from draftsmith.models.export import export, init_weights, read_config
-    from draftsmith.models.target import fingerprint
+    from draftsmith.models.export import init_weights, read_config
 
     target, _ = tiny_target
-    torch.manual_seed(0)
-    cfg = _cfg(norm_before_fc=True, mask_token_id=3)
-    d = peagle.build(cfg, target, {"input_ids": [list(range(5, 90))], "loss_mask": [[1] * 85]})
-    meta = {"drafter": "peagle", "drafter_config": {"type": "peagle", **cfg.__dict__}, "target": "tiny",
-            "target_fingerprint": fingerprint(target)}
-    out = export(save_drafter(d, tmp_path / "final", meta), target, "speculators", tmp_path / "spec")
+    _, d, out = _exported(target, tmp_path)
     fresh_cfg = peagle.from_init(peagle.DrafterConfig(draft_vocab_size=60, depths=4), read_config(out), target.config)
     assert (fresh_cfg.aux_layers, fresh_cfg.norm_before_fc, fresh_cfg.mask_token_id) == ([0, 1, 1], True, 3)
-    fresh = peagle.build(fresh_cfg, target, {"input_ids": [list(range(5, 90))], "loss_mask": [[1] * 85]})
+    fresh = peagle.build(fresh_cfg, target, VOCAB_DATA)
     init_weights(fresh, "peagle", out, target)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in d.state_dict().items())
     with pytest.raises(DraftsmithError, match="drafter.aux_layers: the recipe names"):
