@@ -299,7 +299,8 @@ class BlockProposer:
     [bonus x_{n-1}, m x k] at positions n-1 .. n-1+k, attending to every verified position 0..n-2
     and the whole block. The ctx K/V of verified positions are cached across rounds (they depend on
     their target features only; speculative decoding hands over the accepted positions' only), so
-    each round projects just the newly verified ones. Chains only."""
+    each round projects just the newly verified ones. Chains only: no `propose_tree`, so the engine
+    refuses --tree with its one-line error and `compare` and the benches draft chains."""
 
     def __init__(self, drafter, target, cfg: DrafterConfig):
         self.drafter, self.cfg = drafter.eval(), cfg
@@ -336,9 +337,6 @@ class BlockProposer:
         pos = torch.arange(n_feats, n_feats + 1 + m, device=device)[None]
         out = d.block(self.embed(ids).to(d.fc.weight.dtype), pos, self.kv)
         return self.lm_head(out[0, 1:].to(self.lm_head.weight.dtype))  # slot 0's output is unused
-
-    def propose_tree(self, tokens, feats, spec):
-        raise DraftsmithError("--tree: DFlash drafts one chain per pass; evaluate it with chains (--k)")
 
 
 def make_proposer(drafter, target, cfg: DrafterConfig) -> BlockProposer:

@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith import DraftsmithError
 from draftsmith.data.features import target_features
+from draftsmith.eval.run import evaluate
 from draftsmith.eval.speculative import Sampler, Stats, speculative_greedy, target_greedy
 from draftsmith.models import dflash
 from draftsmith.models.export import export, export_family, init_weights
@@ -110,12 +111,12 @@ def test_training_learns_and_greedy_stays_lossless(target4, extra):
     stats = Stats(k=3)
     assert speculative_greedy(target4, proposer, prompt, 3, 30, {2}, stats) == target_greedy(target4, prompt, 30, {2})
     assert stats.passes  # (a random target decodes off the training rows: acceptance is not asserted)
-    # Sampled drafts carry their distribution q for the rejection rule; trees are refused.
+    # Sampled drafts carry their distribution q for the rejection rule; the engine refuses trees.
     draft = proposer.propose(torch.tensor([prompt + [7]]), _feats(target4, cfg, torch.tensor([prompt])), 3,
                              Sampler(1.0, seed=0))
     assert len(draft.tokens) == 3 and all(q is not None and abs(float(q.sum()) - 1) < 1e-5 for q in draft.qs)
-    with pytest.raises(DraftsmithError, match="one chain per pass"):
-        proposer.propose_tree(None, None, None)
+    with pytest.raises(DraftsmithError, match="proposes chains only"):
+        evaluate(proposer, "dflash", target4, None, None, None, tree="dynamic:depth=2,top_k=2,tokens=3")
     assert proposer.max_depth == dflash.max_draft_depth(cfg) == 3
 
 
