@@ -8,7 +8,8 @@ One process, one target, the same holdout prompts for every row. For each drafte
 of K drafts and with the draft tree, greedy (token-exact lossless check against target-only
 decoding) and sampled (`--temperature`; exactness there is a distribution property, covered by the
 chi-square tests in tests/test_sampling.py and tests/test_tree.py). Each row's speedup is measured
-against target-only decoding of the same prompts in the same pass. Then per drafter: trainable
+against target-only decoding of the same prompts in the same process, measured once per temperature
+and shared by the rows the target verifies (a trained backbone, Medusa-2, gets its own). Then per drafter: trainable
 parameters, draft vocabulary, measured drafting time per round vs one target forward, and the
 per-token draft FLOPs as a fraction of the target's (2 x weights multiplied per token; attention
 over the context is left out, which at these lengths is a few percent). Training time and peak RSS
@@ -28,7 +29,7 @@ from torch import nn
 from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.data.regenerate import eos_ids
 from draftsmith.eval.report import format_table
-from draftsmith.eval.run import backbone_drift, evaluate
+from draftsmith.eval.run import backbone_drift, evaluate, target_baseline
 from draftsmith.eval.speculative import target_decode
 from draftsmith.models.registry import load_drafter, target_to_load_on
 from draftsmith.models.target import ensure_pad, load_target
@@ -126,7 +127,16 @@ def main(argv=None) -> None:
     target, tok = load_target(target_name, args.dtype)
     ensure_pad(tok)
     common = dict(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, target_name=target_name)
-    reports, costs = [], {}
+    reports, costs, baselines = [], {}, {}
+
+    def baseline(verifier, temperature: float):
+        """Target-only decoding, measured once per temperature and shared by every drafter the
+        target itself verifies (as `compare`); None (evaluate measures its own) for another verifier."""
+        if verifier is not target:
+            return None
+        if temperature not in baselines:
+            baselines[temperature] = target_baseline(target, tok, args.data, **common, temperature=temperature)
+        return baselines[temperature]
     for name, meta in metas.items():
         # A family that trained the backbone (Medusa-2) gets its own copy of the target (its adapters
         # go into it) and is verified by that backbone, merged.
@@ -143,7 +153,8 @@ def main(argv=None) -> None:
         greedy_chain_seconds = None
         for run in runs:
             before = (timed.seconds, timed.rounds, timed.steps)
-            r = evaluate(timed, name, verifier, tok, args.data, None, **common, **run)
+            r = evaluate(timed, name, verifier, tok, args.data, None, **common, **run,
+                         baseline=baseline(verifier, run.get("temperature", 0.0)))
             r["draft_ms_per_round"] = round(1e3 * (timed.seconds - before[0]) / max(timed.rounds - before[1], 1), 2)
             reports.append(r)
             if greedy_chain_seconds is None:
