@@ -161,7 +161,8 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     # Depth 0: real slot i predicts x_{i+2} (label row i+1); slot (a, d) predicts label row a+d+1.
     b0, i0 = (row_of[:, 1:] >= 0).nonzero(as_tuple=True)
     sel = [(b0, i0, row_of[b0, i0 + 1], torch.zeros_like(b0))]
-    extra = [(b, t + j, row_of[b, a + d + 1].item(), d) for b, slots in enumerate(chains) for j, (a, d) in enumerate(slots)]
+    rows_of = row_of.tolist()
+    extra = [(b, t + j, rows_of[b][a + d + 1], d) for b, slots in enumerate(chains) for j, (a, d) in enumerate(slots)]
     if extra:
         sel.append(tuple(torch.tensor(c, device=ids.device) for c in zip(*extra)))
     b_idx, s_idx, rows, depth = (torch.cat(c) for c in zip(*sel))
