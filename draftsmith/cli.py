@@ -67,6 +67,15 @@ def cmd_train(args) -> None:
     from draftsmith.train.loop import train
 
     train(config)
+    if os.environ.get("RANK", "0") != "0":
+        # A non-main rank of a launch is done (rank 0 may still be evaluating): leave without the
+        # interpreter's teardown. There, gloo's and DeepSpeed's C++ threads can abort the process
+        # ("terminate called without an active exception", SIGABRT), and torchrun then kills rank 0
+        # mid-eval; CI saw it once on the ZeRO-3 test (tests/test_deepspeed.py). Everything this rank
+        # writes is written and closed by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 # The files a report folder holds (eval/report.py; before_after.* from a fine-tuning run's eval stage).
