@@ -58,6 +58,22 @@ def max_over_ranks(n: int, device: torch.device) -> int:
     return int(t.item())
 
 
+def target_label_rows(lm_head, last: torch.Tensor, need: torch.Tensor, reduce):
+    """The target's logits at the positions `need` [B, T] marks (some draft's label), computed in
+    chunks of 4096 rows over the full vocabulary, one chunk alive at a time, each cut down by
+    `reduce(logits [n, V]) -> tuple of tensors` -> (row_of [B, T]: position -> row or -1, [each
+    reduced tensor over all rows]). A sharded target (ZeRO-3, FSDP) gathers lm_head on every call,
+    on all ranks together: every rank makes as many calls as the rank with the most rows (extra
+    ones on no rows)."""
+    nb, np_ = need.nonzero(as_tuple=True)
+    row_of = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
+    row_of[nb, np_] = torch.arange(len(nb), device=need.device)
+    calls = max(max_over_ranks(-(-len(nb) // 4096), need.device), 1)  # one call on no rows: empty outputs
+    parts = [reduce(lm_head(last[nb[c:c + 4096], np_[c:c + 4096]].to(lm_head.weight.dtype)).float())
+             for c in range(0, 4096 * calls, 4096)]
+    return row_of, [torch.cat(p) for p in zip(*parts)]
+
+
 def draft_vocab(dataset, vocab: int, size: int) -> torch.Tensor:
     """The `size` most frequent target tokens among loss-masked (trained) tokens, sorted by id: the
     reduced draft vocabulary of EAGLE-3 heads and Medusa heads (FR-Spec, Zhao et al. 2025).

@@ -37,8 +37,8 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRM
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import (Draft, frozen_target, from_exported_head, layer_activation_bytes, llama_dims,
-                                      load_state, mask_token, max_over_ranks, no_held_out_metrics, single_group,
-                                      target_as_original, trains_target_never, vllm_method, vllm_snippet,
+                                      load_state, mask_token, no_held_out_metrics, single_group,
+                                      target_as_original, target_label_rows, trains_target_never, vllm_method, vllm_snippet,
                                       write_tensors)
 from draftsmith.models.eagle import layer_config
 from draftsmith.models.eagle3 import aux_features, speculators_load_check
@@ -221,20 +221,6 @@ def block_inputs(ids, attn, anchors: list[torch.Tensor], block: int, mask_id: in
     return block_ids, pos, torch.cat([ctx, own], dim=-1)[:, None]
 
 
-def teacher(lm_head, last: torch.Tensor, need: torch.Tensor, soft: bool):
-    """The target's next-token distribution at the positions `need` [Bz, T] marks -> (row_of [Bz, T]:
-    position -> row or -1, argmax [rows], logits [rows, V] or None), computed in chunks of 4096 rows
-    (a sharded target gathers lm_head per call on all ranks, so every rank makes as many calls)."""
-    nb, np_ = need.nonzero(as_tuple=True)
-    row_of = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
-    row_of[nb, np_] = torch.arange(len(nb), device=need.device)
-    calls = max_over_ranks(-(-len(nb) // 4096), need.device)
-    parts = [lm_head(last[nb[c:c + 4096], np_[c:c + 4096]].to(lm_head.weight.dtype)).float()
-             for c in range(0, 4096 * max(calls, 1), 4096)]
-    top = torch.cat([p.argmax(-1) for p in parts])
-    return row_of, top, torch.cat(parts) if soft else None
-
-
 def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
     """Returns (loss_sum, n_tokens, metric_sums); n_tokens = the number of blocks (each trains slot 1),
     so the loss is the weighted per-slot loss summed over a block, averaged over blocks; acc{d}
@@ -254,7 +240,10 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
         valid = (lab < t) & lmask[seq, lab.clamp(max=t - 1)].bool()  # blocks running past the end: masked
         need = torch.zeros_like(lmask, dtype=torch.bool)
         need[seq[valid], lab[valid] - 1] = True  # the label of x_{a+k} is the target at position a+k-1
-        row_of, top, soft = teacher(lm_head, feats["last_hidden"], need, cfg.loss != "ce")
+        # The argmax for `ce`; the soft losses also keep the target's full-vocabulary logits.
+        row_of, (top, *full) = target_label_rows(lm_head, feats["last_hidden"], need, lambda logits: (
+            logits.argmax(-1), *([logits] if cfg.loss != "ce" else [])))
+        soft = full[0] if full else None
         rows = row_of[seq, (lab - 1).clamp(max=t - 1)].clamp(min=0)  # [N, B-1]; invalid slots: any row, weight 0
     names = feature_names(cfg, target.config)
     ctx_pos = torch.arange(t, device=ids.device)[None].expand(bsz, -1)

@@ -30,8 +30,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from draftsmith import DraftsmithError
 from draftsmith.data.features import target_features
 from draftsmith.models.common import (causal_mask, draft_vocab, FeatureProposer, from_exported_head, frozen_target,
-                                      llama_dims, load_state, logit_diff, max_over_ranks, no_held_out_metrics,
-                                      renamed, single_group, target_as_original, trains_target_never, ttt_mask,
+                                      llama_dims, load_state, logit_diff, no_held_out_metrics, renamed, single_group,
+                                      target_as_original, target_label_rows, trains_target_never, ttt_mask,
                                       vllm_method, vllm_snippet, write_tensors)
 from draftsmith.models.eagle import layer_config, sglang_snippet, unroll_activation_bytes
 from draftsmith.util.losses import check_loss, TOKEN_LOSSES, topk_distillation_loss
@@ -269,20 +269,10 @@ def teacher_rows(core, lm_head, ids, lmask, last):
     (position p is the label position of token p+1, counted iff lmask[p+1]), computed once in
     chunks over the full vocabulary -> (row_of [B, T]: position -> row or -1, logits [rows, V_draft],
     keep [rows]: 1 where the target's argmax is in the draft vocabulary, where EAGLE-3 trains)."""
-    need = lmask[:, 1:].bool()
-    nb, np_ = need.nonzero(as_tuple=True)
-    row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
-    row_of[nb, np_] = torch.arange(len(nb), device=ids.device)
-
-    def chunk(c: int):  # one full-vocabulary chunk alive at a time
-        full = lm_head(last[nb[c:c + 4096], np_[c:c + 4096]].to(lm_head.weight.dtype)).float()
-        return core.t2d[full.argmax(-1)].float(), full[:, core.t2d]
-
-    # A sharded target (ZeRO-3, FSDP) gathers lm_head on every call, on all ranks together: every
-    # rank makes as many calls as the rank with the most rows (extra ones on no rows).
-    calls = max_over_ranks(-(-len(nb) // 4096), ids.device)
-    parts = [chunk(c) for c in range(0, 4096 * calls, 4096)] or [chunk(0)]  # chunk(0) of no rows: empty
-    return row_of, torch.cat([p for _, p in parts]), torch.cat([k for k, _ in parts])
+    need = torch.nn.functional.pad(lmask[:, 1:].bool(), (0, 1))  # [B, T]: the last position labels nothing
+    row_of, (logits, keep) = target_label_rows(
+        lm_head, last, need, lambda full: (full[:, core.t2d], core.t2d[full.argmax(-1)].float()))
+    return row_of, logits, keep
 
 
 def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
