@@ -135,6 +135,17 @@ def test_offline_features_match_online_and_cost_4H_bytes_per_fp32_token(tiny_tar
 
 
 @MULTIPROCESS
+def test_the_two_process_tests_share_one_xdist_worker(request):
+    """Under `--dist loadgroup` xdist suffixes a grouped test's id with `@multiprocess`; without it
+    the 2-process tests silently run two at a time, 4 processes on 2 cores whose waits spin (pytest
+    9.2 with pytest-xdist 3.8 does that: pytest-dev/pytest-xdist#1386)."""
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("not under pytest-xdist --dist loadgroup")
+    assert request.node.nodeid.endswith("@multiprocess"), \
+        f"{request.node.nodeid}: pytest-xdist is not grouping the 2-process tests; install pytest<9.2"
+
+
+@MULTIPROCESS
 @pytest.mark.parametrize("family", [{"drafter.feature_noise": 0}, {"drafter.type": "medusa", "drafter.num_heads": 2},
                                     MEDUSA2, DISTILL], ids=["eagle", "medusa", "medusa2", "distill"])
 def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_dir, chat_jsonl, tmp_path, family):
