@@ -224,6 +224,7 @@ class Medusa2(nn.Module):
         return freeze(copy.deepcopy(self.backbone).merge_and_unload())
 
     def _saved(self) -> set[str]:
+        # Not peft's get_peft_model_state_dict: that covers only `lora` and renames keys old checkpoints use.
         return {n for n, p in self.named_parameters() if p.requires_grad} | {f"heads.{n}" for n in self.heads.state_dict()}
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
