@@ -6,7 +6,7 @@
 # pip is what takes the machine's own CPU wheel where one is provided (uv does not look there), and a
 # bare torch from PyPI is a multi-GB CUDA build. uv resolves to the same versions pip would and installs
 # them about ten times faster (parallel downloads, no per-package subprocess): on a 2-core Xeon, no
-# caches, the whole set-up took 101 s against pip's 298 s.
+# caches, the whole set-up took 61-127 s against pip's 298 s (docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
