@@ -54,6 +54,17 @@ def _processes_with(text: str) -> list[int]:
     return found
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_engine_process():
+    """vLLM's CPU platform gives each engine a worker process of its own (to bind OpenMP threads to
+    cores): a third full import of vLLM, 12 s of the 33 s a server takes to start on a 2-core Xeon.
+    With VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine process runs the model itself (vLLM's `uni`
+    executor), the same model code: 21 s. The Ctrl-C test keeps vLLM's default."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield
+
+
 @pytest.fixture(scope="module")
 def pattern(tmp_path_factory):
     from tests.conftest import save_pattern_target, write_pattern_chats
@@ -171,7 +182,8 @@ def test_eagle3_official_sglang_format_is_served_too(pattern, trained, target_se
 
 
 @needs_vllm
-def test_server_is_stopped_after_a_startup_failure_and_after_ctrl_c(pattern, tmp_path):
+def test_server_is_stopped_after_a_startup_failure_and_after_ctrl_c(pattern, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default: engine and worker processes
     # A folder vLLM cannot serve: the cause comes back as one line, and nothing is left running.
     bad = tmp_path / "not-a-model"
     bad.mkdir()

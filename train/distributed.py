@@ -46,6 +46,7 @@ def make_accelerator(cfg: Config) -> Accelerator:
                                   "-m draftsmith.cli train ... (or launch.sh --preset zero3 --cpu-procs N)")
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
         cpu = False
+        _without_deepspeed_shm_op()
     if cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         # accelerate enables FSDP only on accelerators and otherwise prepares bare modules: every rank
         # would train on its own, silently. (tests/test_fsdp.py runs this loop under FSDP on CPUs by
@@ -59,6 +60,17 @@ def make_accelerator(cfg: Config) -> Accelerator:
         raise DraftsmithError(f"DeepSpeed was asked for, but accelerate set up {accelerator.distributed_type.value} "
                               "(is ACCELERATE_USE_CPU set?)")
     return accelerator
+
+
+def _without_deepspeed_shm_op() -> None:
+    """DeepSpeed's CPU backend JIT-compiles its shared-memory all-reduce op as it starts (70 s on a
+    2-core Xeon, once per machine and environment), yet only DeepSpeed-inference's tensor-parallel
+    layers call it (`inference_all_reduce`); training's collectives are gloo's. Marking the op
+    unavailable is DeepSpeed's own fallback (what it does off Linux), and its ops table is meant to
+    be edited: it is cached once per process so that edits persist."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def fill_deepspeed_config(accelerator: Accelerator, cfg: Config, hidden: int) -> None:
