@@ -39,6 +39,16 @@ def make_target(seed: int = 0, vocab: int = 128, layers: int = 2) -> LlamaForCau
     return LlamaForCausalLM(cfg).eval()
 
 
+@pytest.fixture(scope="session")
+def peaked_target():
+    """The target of the lossless-sampling tests (tests/test_sampling.py and the drafters that reuse its
+    chi-square test): sharper next-token distributions than a fresh random init, so fewer categories."""
+    target = make_target(seed=3)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(8.0)
+    return target
+
+
 def save_target(path, seed: int = 0, chat_template: str | None = CHAT_TEMPLATE, layers: int = 2):
     tok = make_tokenizer(chat_template)
     make_target(seed, vocab=len(tok), layers=layers).save_pretrained(path)

@@ -14,7 +14,7 @@ from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculati
 from draftsmith.models import eagle
 from draftsmith.models.distill import StudentProposer
 from tests.conftest import make_target, make_tokenizer
-from tests.test_sampling import N, PROMPT, AcceptAll, _collect, _reference, chi_square_p, peaked_target  # noqa: F401
+from tests.test_sampling import N, PROMPT, AcceptAll, _collect, _reference, chi_square_p  # noqa: F401
 
 TEXTS = ["abcabcabcabc say 9", "def f(x): return x\ndef f(y): return"]
 
@@ -107,7 +107,7 @@ def test_greedy_cascade_is_token_exact_and_its_level_counts_add_up(models, kind)
         assert s["low_accepted"] > 0  # repetitive output: prompt lookup drafts for the mid too
 
 
-def test_cascade_sampling_matches_target_distribution(peaked_target):  # noqa: F811
+def test_cascade_sampling_matches_target_distribution(peaked_target):
     target, k = peaked_target, 3
     cascade = CascadeProposer(NgramProposer(), SkipLayers(target, [1]))
     ref = _reference(target, 1.0, 1.0)

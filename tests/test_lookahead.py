@@ -17,7 +17,7 @@ from draftsmith.eval.tree import verify_tree_greedy
 from draftsmith.models import distill, eagle
 from draftsmith.models.drafts import Draft, parse_tree
 from tests.conftest import make_target
-from tests.test_sampling import PROMPT, _collect, _reference, chi_square_p, peaked_target  # noqa: F401
+from tests.test_sampling import PROMPT, _collect, _reference, chi_square_p
 
 CYCLE = list(range(10, 17))  # the bigram target below maps 10 -> 11 -> ... -> 16 -> 10
 
@@ -313,11 +313,11 @@ def test_batched_rows_get_their_own_model_proposer(tiny_target):
 
 
 @pytest.fixture(scope="module")
-def reference(peaked_target):  # noqa: F811
+def reference(peaked_target):
     return _reference(peaked_target, 1.0, 1.0)
 
 
-def test_sampled_lookahead_matches_target_distribution(peaked_target, reference):  # noqa: F811
+def test_sampled_lookahead_matches_target_distribution(peaked_target, reference):
     """The chi-square test's power against a wrong rule is shown in tests/test_sampling.py; here its
     drafts must really be judged: some are accepted."""
     target, stats = peaked_target, Stats(k=3)
@@ -327,7 +327,7 @@ def test_sampled_lookahead_matches_target_distribution(peaked_target, reference)
     assert 0 < stats.accepted < stats.proposed
 
 
-def test_sampled_hybrid_matches_target_distribution(peaked_target, reference):  # noqa: F811
+def test_sampled_hybrid_matches_target_distribution(peaked_target, reference):
     target = peaked_target
     torch.manual_seed(0)
     hybrid = HybridProposer(NgramProposer(), eagle.make_proposer(eagle.build(eagle.DrafterConfig(), target), target,

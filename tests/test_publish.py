@@ -108,7 +108,7 @@ def test_refusals_are_one_line_errors(run, tiny_target_dir, monkeypatch, capsys)
     report.write_text(json.dumps({**data, "lossless": False, "lossless_mismatches": 1, "rule_exact": True}))
     assert main(base + ["--repo-id", "me/x", "--dry-run"]) == 0
     card = (run / "publish-speculators" / "README.md").read_text()
-    assert f"rule-exact (every round emitted what the verification rule gives" in card
+    assert "rule-exact (every round emitted what the verification rule gives" in card
     assert f"identical to a separately run target-only decode on {data['num_prompts'] - 1} of {data['num_prompts']}" in card
     report.write_text(json.dumps({**data, "rule_exact": False}))
     assert main(base + ["--repo-id", "me/x", "--dry-run"]) == 1

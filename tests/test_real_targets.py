@@ -5,7 +5,6 @@ a lossless eval, exports that carry the target's RoPE and rebuild from their con
 import json
 
 import pytest
-import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.eval.publish import verify_export

@@ -4,7 +4,6 @@ the calibration search returns a valid choice that compare can load; bad skip se
 import json
 
 import pytest
-import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.eval import selfspec

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import MULTIPROCESS, write_pattern_chats

@@ -74,7 +74,7 @@ def test_resume_after_interruption_matches_uninterrupted(tiny_target_dir, chat_j
     real_save = checkpoint.save
 
     def save_then_die(accelerator, run_dir, step, state, keep_last):
-        out = real_save(accelerator, run_dir, step, state, keep_last)
+        real_save(accelerator, run_dir, step, state, keep_last)
         raise KeyboardInterrupt  # the process dies right after the step-3 checkpoint
 
     monkeypatch.setattr(checkpoint, "save", save_then_die)
@@ -153,9 +153,8 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_
     common = _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{**family, "optim.max_steps": 4})
     recipe = tmp_path / "empty.yaml"
     recipe.write_text("{}\n")
-    one = [str(recipe), *common, "run=one", "optim.batch_size=4"]
     two = [str(recipe), *common, "run=two", "optim.batch_size=2"]
-    subprocess.run([sys.executable, "-m", "draftsmith.cli", "train", *one], check=True, env=env, cwd=ROOT)
+    one = train(load_config(None, [*common, "run=one", "optim.batch_size=4"]))  # in this process: no second start-up
     # Port 0 (any free port, as launch.sh --main-port 0): pytest-xdist may run two of these launches
     # at once, and 29500 is accelerate's default.
     launched = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -163,7 +162,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_
                     "-m", "draftsmith.cli", "train", *two], check=True, env=env, cwd=ROOT,
                               capture_output=True, text=True)
     assert "2 process(es)" in launched.stdout  # really two DDP ranks, not one
-    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    a, b = _weights(one), _weights(tmp_path / "two")
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 

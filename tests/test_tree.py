@@ -10,11 +10,11 @@ from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
 from draftsmith.data.features import target_features
-from draftsmith.eval.speculative import Sampler, Stats, speculative_decode, target_greedy, target_sample
+from draftsmith.eval.speculative import Sampler, Stats, speculative_decode, target_greedy
 from draftsmith.eval.tree import verification_inputs
 from draftsmith.models.drafts import Draft, grow_tree, parse_tree
 from draftsmith.models import eagle, eagle3
-from tests.test_sampling import N, PROMPT, AcceptAll, chi_square_p, peaked_target  # noqa: F401
+from tests.test_sampling import N, PROMPT, AcceptAll, _reference, chi_square_p
 
 
 def _logits(target, ids, **kw):
@@ -148,7 +148,7 @@ def test_perfect_tree_gets_full_acceptance(tiny_target):
     assert stats.acceptance_rate == 0.5  # half the nodes are decoys
 
 
-def test_sampled_tree_matches_target_distribution(peaked_target):  # noqa: F811
+def test_sampled_tree_matches_target_distribution(peaked_target):
     target = peaked_target
     torch.manual_seed(0)
     proposer = eagle.make_proposer(eagle.build(eagle.DrafterConfig(), target), target, eagle.DrafterConfig())
@@ -158,7 +158,7 @@ def test_sampled_tree_matches_target_distribution(peaked_target):  # noqa: F811
         return Counter(tuple(speculative_decode(target, proposer, PROMPT, 0, 3, set(), sampler_cls(1.0, 1.0, seed=s),
                                                 tree=spec)[:3]) for s in range(N))
 
-    ref = Counter(tuple(target_sample(target, PROMPT, 3, set(), Sampler(1.0, 1.0, seed=10_000 + s))[:3]) for s in range(N))
+    ref = _reference(target, 1.0, 1.0)
     assert chi_square_p(ref, collect(Sampler)) > 1e-3
     # Negative control: keeping the first child always follows the drafter's top path.
     assert chi_square_p(ref, collect(AcceptAll)) < 1e-3
