@@ -9,6 +9,11 @@
 # caches, the whole set-up took 61-127 s against pip's 298 s (docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# uv, unlike pip, does not compile bytecode at install; where PYTHONDONTWRITEBYTECODE is set (as on
+# our CI machines) nothing caches it later either, and every process compiles transformers, DeepSpeed
+# or vLLM from source as it imports them: `import draftsmith.train.loop` took 11.4 s instead of 6.4,
+# once per training process, vLLM server process and test worker.
+export UV_COMPILE_BYTECODE=1
 
 env_with_torch() {  # env_with_torch DIR: a venv at DIR holding torch 2.13.0 and uv
   [ -x "$1/bin/python" ] || python3 -m venv "$1"
