@@ -26,9 +26,9 @@ fi
 # 2.5-3x slower on a 2-core Xeon (vLLM's worker is pinned to a core, the 2-process tests' waits spin).
 failed=0
 phase "unit tests" env OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n auto --dist loadgroup \
-  -m "not integration and not vllm" || failed=1
+  -m "not integration and not vllm" --durations=10 || failed=1
 # A real vLLM server on loopback (.venv-vllm): EAGLE-3 end to end, a broken export, server clean-up,
 # regeneration. The other families' checks are `-m vllm_families` (about 8 more server starts).
-phase "vllm tests" .venv/bin/python -m pytest -q -m "vllm and not vllm_families" || failed=1
+phase "vllm tests" .venv/bin/python -m pytest -q -m "vllm and not vllm_families" --durations=5 || failed=1
 phase "integration tests" .venv/bin/python -m pytest -q -m integration || failed=1
 exit "$failed"

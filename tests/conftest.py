@@ -13,6 +13,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 # Tests that launch 2 processes run one at a time on one pytest-xdist worker (`--dist loadgroup`):
 # two such launches at once put 4 processes on 2 cores, where DeepSpeed's and gloo's waits spin.
 MULTIPROCESS = pytest.mark.xdist_group("multiprocess")
+
+
+def pytest_collection_modifyitems(items):
+    """DeepSpeed JIT-compiles its CPU Adam op on first use (about 90 s on 2 cores). The test that
+    builds it is collected first, so the other worker compiles it while the 2-process chain runs,
+    and the 2-process test that uses it (zero3-offload) last, so it finds the op built."""
+    order = {"builds": 0, "uses": 2}
+    items.sort(key=lambda item: order.get(getattr(item.get_closest_marker("cpu_adam"), "args", ("",))[0], 1))
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -5,7 +5,8 @@ or refuse another one in one line.
 
 Marked `deepspeed` (select with `-m deepspeed`, skip with `-m "not deepspeed"`); skipped when
 deepspeed is not installed. The first run on a machine JIT-compiles, for the zero3-offload preset,
-DeepSpeed's CPU Adam (~90 s on 2 cores), cached in TORCH_EXTENSIONS_DIR."""
+DeepSpeed's CPU Adam (~100 s on one core), cached in TORCH_EXTENSIONS_DIR: the one-process op test
+builds it while the 2-process tests run, and the zero3-offload test runs after them (conftest.py)."""
 
 import importlib.util
 import json
@@ -135,6 +136,39 @@ def test_zero3_checkpoint_resumes_and_refuses_another_world_size(runs, zero3):
             "and DeepSpeed cannot repartition it; resume with 2 processes") in out.stderr
 
 
+@pytest.mark.deepspeed
+@pytest.mark.cpu_adam("builds")
+@pytest.mark.xdist_group("cpu-adam")  # one process: not part of the 2-process chain, it runs beside it
+@no_deepspeed
+def test_deepspeed_cpu_adam_steps_like_torch_adamw(monkeypatch):
+    """What accelerate swaps in for the loop's AdamW under zero3-offload: DeepSpeedCPUAdam with
+    adamw_mode=True takes torch's AdamW steps (decoupled weight decay, bias correction, a per-group
+    lr); with adamw_mode=False (L2 decay folded into the gradient) it does not."""
+    for key, value in _env().items():  # the build the 2-process runs load, to the byte: the same ninja
+        monkeypatch.setenv(key, value)  # (an older one on PATH records other command hashes and rebuilds)
+    monkeypatch.setenv("MAX_JOBS", "1")  # one compiler process on 2 cores while a 2-process test runs
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    torch.manual_seed(0)
+    start = [torch.randn(64, 16), torch.randn(16)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(5)]
+
+    def run(make):
+        params = [p.clone().requires_grad_() for p in start]
+        opt = make([{"params": [params[0]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0, "lr": 3e-3}])
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+        return params
+
+    torch_adamw = run(lambda groups: torch.optim.AdamW(groups, lr=1e-2, eps=1e-8))
+    cpu_adamw = run(lambda groups: DeepSpeedCPUAdam(groups, lr=1e-2, eps=1e-8, adamw_mode=True))
+    cpu_l2 = run(lambda groups: DeepSpeedCPUAdam(groups, lr=1e-2, eps=1e-8, adamw_mode=False))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(torch_adamw, cpu_adamw))
+    assert not torch.allclose(torch_adamw[0], cpu_l2[0], atol=1e-4)
+
+
 def test_deepspeed_config_is_filled_from_the_recipe_and_a_mismatch_is_one_line():
     cfg = load_config(None, ["optim.batch_size=3", "optim.grad_accum=2", "optim.clip_grad=0.5"])
     ds = {"gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto",
@@ -159,6 +193,7 @@ def test_a_checkpoint_resumes_only_under_the_layout_that_wrote_it(tmp_path):
 
 
 @pytest.mark.deepspeed
+@pytest.mark.cpu_adam("uses")
 @no_deepspeed
 def test_zero3_offload_preset_through_launch_sh_matches_one_process(runs):
     """`pin_memory: true` is a no-op on DeepSpeed's CPU accelerator, so the preset runs as shipped.

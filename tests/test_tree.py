@@ -154,14 +154,15 @@ def test_sampled_tree_matches_target_distribution(peaked_target):
     proposer = eagle.make_proposer(eagle.build(eagle.DrafterConfig(), target), target, eagle.DrafterConfig())
     spec = parse_tree("dynamic:depth=3,top_k=3,tokens=8")
 
-    def collect(sampler_cls):
+    def collect(sampler_cls, n=N):
         return Counter(tuple(speculative_decode(target, proposer, PROMPT, 0, 3, set(), sampler_cls(1.0, 1.0, seed=s),
-                                                tree=spec)[:3]) for s in range(N))
+                                                tree=spec)[:3]) for s in range(n))
 
     ref = _reference(target, 1.0, 1.0)
     assert chi_square_p(ref, collect(Sampler)) > 1e-3
-    # Negative control: keeping the first child always follows the drafter's top path.
-    assert chi_square_p(ref, collect(AcceptAll)) < 1e-3
+    # Negative control: keeping the first child always follows the drafter's top path (a quarter of the
+    # samples suffice to tell).
+    assert chi_square_p(ref, collect(AcceptAll, N // 4)) < 1e-3
 
 
 def test_bad_tree_in_a_recipe_fails_at_load(tmp_path):
