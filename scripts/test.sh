@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Set up (idempotent, vLLM's environment included), then run the whole suite in three phases: unit
-# tests on tiny random models (in parallel), the `vllm` tests against a real vLLM server, and the
-# `integration` tests on the real embedded smollm2-135m (a shortened quickstart), in the precision `auto`
-# picks for this CPU. Each phase prints its wall time; a failure fails the run after every phase has run.
+# Set up (idempotent, vLLM's environment included), then run the whole suite: unit tests on tiny
+# random models (in parallel), then the `vllm` tests against a real vLLM server with, beside them, the
+# `integration` tests on the real embedded smollm2-135m (a shortened quickstart, in the precision
+# `auto` picks for this CPU) and the `chi_square` sampling tests. Each phase prints its wall time; a
+# failure fails the run after every phase has run.
 # Arguments, if any, go to one plain pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,13 +23,31 @@ fi
 # Unit tests in parallel, one pytest-xdist worker per core, one torch thread per worker: the tiny
 # models are dominated by Python overhead, so two workers halve the time where two threads each would
 # only contend. Tests that launch 2 processes share one worker (xdist_group "multiprocess"), so no two
-# of them run at once. The phases run one after another: the vLLM tests beside the unit tests made both
-# 2.5-3x slower on a 2-core Xeon (vLLM's worker is pinned to a core, the 2-process tests' waits spin).
+# of them run at once.
 failed=0
 phase "unit tests" env OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n auto --dist loadgroup \
-  -m "not integration and not vllm" --durations=10 || failed=1
+  -m "not integration and not vllm and not chi_square" --durations=10 || failed=1
+
 # A real vLLM server on loopback (.venv-vllm): EAGLE-3 end to end, a broken export, server clean-up,
 # regeneration. The other families' checks are `-m vllm_families` (about 8 more server starts).
+# A vLLM server and the test waiting on it take turns, so these keep about one core busy; the
+# integration tests (the real embedded smollm2-135m, a shortened quickstart) and then the chi-square
+# sampling tests run beside them, each in one torch thread: with two threads each, OpenMP's spinning
+# waits made vLLM and integration side by side take twice as long as one after the other.
+beside_vllm() {
+  local rc=0
+  phase "integration tests" .venv/bin/python -m pytest -q -m integration || rc=1
+  phase "chi-square tests" .venv/bin/python -m pytest -q -m "chi_square and not integration and not vllm" || rc=1
+  return "$rc"
+}
+export OMP_NUM_THREADS=1
+side_by_side=$SECONDS
+beside_log=$(mktemp)
+beside_vllm > "$beside_log" 2>&1 &
+beside_pid=$!
 phase "vllm tests" .venv/bin/python -m pytest -q -m "vllm and not vllm_families" --durations=5 || failed=1
-phase "integration tests" .venv/bin/python -m pytest -q -m integration || failed=1
+wait "$beside_pid" || failed=1
+cat "$beside_log"
+rm -f "$beside_log"
+echo "[time] vllm tests with the integration and chi-square tests beside them: $((SECONDS - side_by_side)) s"
 exit "$failed"

@@ -107,6 +107,7 @@ def test_greedy_cascade_is_token_exact_and_its_level_counts_add_up(models, kind)
         assert s["low_accepted"] > 0  # repetitive output: prompt lookup drafts for the mid too
 
 
+@pytest.mark.chi_square
 def test_cascade_sampling_matches_target_distribution(peaked_target):
     target, k = peaked_target, 3
     cascade = CascadeProposer(NgramProposer(), SkipLayers(target, [1]))

@@ -317,6 +317,7 @@ def reference(peaked_target):
     return _reference(peaked_target, 1.0, 1.0)
 
 
+@pytest.mark.chi_square
 def test_sampled_lookahead_matches_target_distribution(peaked_target, reference):
     """The chi-square test's power against a wrong rule is shown in tests/test_sampling.py; here its
     drafts must really be judged: some are accepted."""
@@ -327,6 +328,7 @@ def test_sampled_lookahead_matches_target_distribution(peaked_target, reference)
     assert 0 < stats.accepted < stats.proposed
 
 
+@pytest.mark.chi_square
 def test_sampled_hybrid_matches_target_distribution(peaked_target, reference):
     target = peaked_target
     torch.manual_seed(0)

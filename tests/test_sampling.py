@@ -56,6 +56,7 @@ class AcceptAll(Sampler):
         return True
 
 
+@pytest.mark.chi_square
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_speculative_sampling_matches_target_distribution(peaked_target, temperature, top_p):
     target = peaked_target
@@ -79,6 +80,7 @@ def test_top_p_keeps_the_smallest_mass_prefix():
     assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
 
 
+@pytest.mark.chi_square
 @pytest.mark.parametrize("family", ["peagle", "dflash"])
 def test_block_drafters_sample_losslessly(peaked_target, family):
     """One drafter pass samples every slot from its own distribution q (independent of the slots

@@ -148,6 +148,7 @@ def test_perfect_tree_gets_full_acceptance(tiny_target):
     assert stats.acceptance_rate == 0.5  # half the nodes are decoys
 
 
+@pytest.mark.chi_square
 def test_sampled_tree_matches_target_distribution(peaked_target):
     target = peaked_target
     torch.manual_seed(0)
