@@ -16,11 +16,13 @@ MULTIPROCESS = pytest.mark.xdist_group("multiprocess")
 
 
 def pytest_collection_modifyitems(items):
-    """DeepSpeed JIT-compiles its CPU Adam op on first use (about 90 s on 2 cores). The test that
+    """DeepSpeed JIT-compiles its CPU Adam op on first use (100-125 s on one core). The test that
     builds it is collected first, so the other worker compiles it while the 2-process chain runs,
     and the 2-process test that uses it (zero3-offload) last, so it finds the op built."""
     order = {"builds": 0, "uses": 2}
     items.sort(key=lambda item: order.get(getattr(item.get_closest_marker("cpu_adam"), "args", ("",))[0], 1))
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
