@@ -312,30 +312,25 @@ def test_batched_rows_get_their_own_model_proposer(tiny_target):
 # --- sampling ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def reference(peaked_target):
-    return _reference(peaked_target, 1.0, 1.0)
-
-
 @pytest.mark.chi_square
-def test_sampled_lookahead_matches_target_distribution(peaked_target, reference):
+def test_sampled_lookahead_matches_target_distribution(peaked_target):
     """The chi-square test's power against a wrong rule is shown in tests/test_sampling.py; here its
     drafts must really be judged: some are accepted."""
     target, stats = peaked_target, Stats(k=3)
     spec = _collect(lambda s: speculative_decode(target, LookaheadProposer(window=3, ngram=2), PROMPT, 3, 3, set(),
                                                  Sampler(1.0, 1.0, seed=s), stats))
-    assert chi_square_p(reference, spec) > 1e-3
+    assert chi_square_p(_reference(target, 1.0, 1.0), spec) > 1e-3
     assert 0 < stats.accepted < stats.proposed
 
 
 @pytest.mark.chi_square
-def test_sampled_hybrid_matches_target_distribution(peaked_target, reference):
+def test_sampled_hybrid_matches_target_distribution(peaked_target):
     target = peaked_target
     torch.manual_seed(0)
     hybrid = HybridProposer(NgramProposer(), eagle.make_proposer(eagle.build(eagle.DrafterConfig(), target), target,
                                                                  eagle.DrafterConfig()))
     spec = _collect(lambda s: speculative_decode(target, hybrid, PROMPT, 3, 3, set(), Sampler(1.0, 1.0, seed=s)))
-    assert chi_square_p(reference, spec) > 1e-3
+    assert chi_square_p(_reference(target, 1.0, 1.0), spec) > 1e-3
     assert hybrid.draft_sources["lookup"] > 0 and hybrid.draft_sources["model"] > 0
 
 

@@ -2,7 +2,6 @@
 decoding is lossless, a perfect tree gets full acceptance, and sampled trees keep the target's
 distribution (chi-square, with a negative control)."""
 
-from collections import Counter
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from draftsmith.eval.speculative import Sampler, Stats, speculative_decode, targ
 from draftsmith.eval.tree import verification_inputs
 from draftsmith.models.drafts import Draft, grow_tree, parse_tree
 from draftsmith.models import eagle, eagle3
-from tests.test_sampling import N, PROMPT, AcceptAll, _reference, chi_square_p
+from tests.test_sampling import N, PROMPT, AcceptAll, _collect, _reference, chi_square_p
 
 
 def _logits(target, ids, **kw):
@@ -156,8 +155,8 @@ def test_sampled_tree_matches_target_distribution(peaked_target):
     spec = parse_tree("dynamic:depth=3,top_k=3,tokens=8")
 
     def collect(sampler_cls, n=N):
-        return Counter(tuple(speculative_decode(target, proposer, PROMPT, 0, 3, set(), sampler_cls(1.0, 1.0, seed=s),
-                                                tree=spec)[:3]) for s in range(n))
+        return _collect(lambda s: speculative_decode(target, proposer, PROMPT, 0, 3, set(), sampler_cls(1.0, 1.0, seed=s),
+                                                     tree=spec), n)
 
     ref = _reference(target, 1.0, 1.0)
     assert chi_square_p(ref, collect(Sampler)) > 1e-3
