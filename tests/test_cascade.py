@@ -2,7 +2,6 @@
 decoding stays token-exact and sampling stays distributed as the target's, the per-level counters
 add up, and cascades whose intermediate cannot verify are one-line errors."""
 
-
 import pytest
 import torch
 
@@ -13,7 +12,7 @@ from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculati
 from draftsmith.models import eagle
 from draftsmith.models.distill import StudentProposer
 from tests.conftest import make_target, make_tokenizer
-from tests.test_sampling import N, PROMPT, AcceptAll, _collect, _reference, chi_square_p  # noqa: F401
+from tests.test_sampling import N, PROMPT, AcceptAll, _collect, _reference, chi_square_p
 
 TEXTS = ["abcabcabcabc say 9", "def f(x): return x\ndef f(y): return"]
 

@@ -2,7 +2,6 @@
 decoding is lossless, a perfect tree gets full acceptance, and sampled trees keep the target's
 distribution (chi-square, with a negative control)."""
 
-
 import pytest
 import torch
 from transformers import DynamicCache
