@@ -61,6 +61,13 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   if [ "$gpus" = 0 ] && [ -n "${SLURM_GPUS_ON_NODE:-}" ]; then gpus=$SLURM_GPUS_ON_NODE; fi
 fi
 
+# Checked after SLURM's values are in: every count a whole number in range, or a one-line error.
+count() {  # count FLAG VALUE MIN: VALUE must be a whole number >= MIN
+  [[ "$2" =~ ^[0-9]+$ ]] && [ "$2" -ge "$3" ] || { echo "launch.sh: error: $1: expected a whole number >= $3, got '$2'" >&2; exit 2; }
+}
+count --gpus "$gpus" 0; count --cpu-procs "$cpu_procs" 0; count --nodes "$nodes" 1; count --main-port "$main_port" 0
+count --node-rank "$node_rank" 0
+[ "$node_rank" -lt "$nodes" ] || { echo "launch.sh: error: --node-rank: expected 0..$((nodes - 1)) for --nodes $nodes, got $node_rank" >&2; exit 2; }
 args=(--num_machines "$nodes" --machine_rank "$node_rank" --main_process_ip "$main_addr" --main_process_port "$main_port" --dynamo_backend no)
 if [ -n "$acc_config" ]; then
   args=(--config_file "$acc_config" "${args[@]}")

@@ -126,6 +126,10 @@ def _brief(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# OpenAI chat roles (`developer` is the newer name of `system`; `tool` carries a tool call's result).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _sharegpt_turn(m, where: str) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("from"), str) or not isinstance(m.get("value"), str):
         raise DraftsmithError(f"{where}: ShareGPT turn needs 'from' and 'value' strings, got {_brief(m)}")
@@ -145,6 +149,9 @@ def to_messages(row: dict, where: str) -> list[dict] | str:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
             raise DraftsmithError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings, "
                                   f"got {_brief(msgs)}")
+        bad = next((m["role"] for m in msgs if m["role"] not in CHAT_ROLES), None)
+        if bad is not None:  # a template would render any role it is given; the target was never trained on it
+            raise DraftsmithError(f"{where}: 'messages' role must be one of {', '.join(CHAT_ROLES)}, got {_brief(bad)}")
         return [{"role": m["role"], "content": m["content"]} for m in msgs]
     if "conversations" in row:
         turns = row["conversations"]

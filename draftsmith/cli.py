@@ -116,9 +116,10 @@ def checked_out(out: Path, force: bool) -> Path:
 
 
 def cmd_eval(args) -> None:
+    from draftsmith.data.load import load_prompts
     from draftsmith.eval.batched import parse_batch_sizes
     from draftsmith.eval.compare import load_proposer, parse_drafter, trained_folders
-    from draftsmith.eval.report import format_table
+    from draftsmith.eval.report import format_table, require_rule_exact
     from draftsmith.eval.run import evaluate, evaluate_drafter
     from draftsmith.models.registry import load_drafter
     from draftsmith.models.common import read_drafter_meta
@@ -142,6 +143,7 @@ def cmd_eval(args) -> None:
         out = checked_out(Path(args.out), args.force)
     else:  # beside the run's own report for a trained drafter; else a new folder here
         out = standalone_folder(path, args) if trained else unused_folder(Path(f"eval-{path.split(':')[0]}"))
+    load_prompts(args.data, args.num_prompts)  # a bad holdout fails before any model loads
     target_name = args.target or (metas[0]["target"] if metas else None)
     target, tok = load_target(target_name or "smollm2-135m", args.dtype)
     ensure_pad(tok)
@@ -158,16 +160,21 @@ def cmd_eval(args) -> None:
         report = evaluate_drafter(module, drafter, dcfg, target, tok, args.data, out, **common)
     print(format_table([report]))
     print(f"wrote {out}/report.json, report.md, acceptance.png")
+    require_rule_exact(report, str(out))
 
 
 def cmd_compare(args) -> None:
+    from draftsmith.data.load import load_prompts
     from draftsmith.eval.batched import parse_batch_sizes
     from draftsmith.eval.compare import compare, compare_table, trained_folders
+    from draftsmith.eval.report import require_rule_exact
     from draftsmith.models.common import read_drafter_meta
     from draftsmith.models.target import ensure_pad, load_target
 
     batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None
     metas = [read_drafter_meta(Path(p)) for d in args.drafter for p in trained_folders(d)]  # bad folders fail early
+    for data in args.data:  # bad holdouts fail before any model loads
+        load_prompts(data, args.num_prompts)
     target_name = args.target or (metas[0]["target"] if metas else "smollm2-135m")
     target, tok = load_target(target_name, args.dtype)
     ensure_pad(tok)
@@ -176,6 +183,8 @@ def cmd_compare(args) -> None:
                       top_p=args.top_p, tree=args.tree, batch_sizes=batch_sizes)
     print(compare_table(reports))
     print(f"wrote {args.out}/compare.json, compare.md, compare.png")
+    for r in reports:
+        require_rule_exact(r, args.out)
 
 
 def cmd_layerskip(args) -> None:
@@ -191,6 +200,7 @@ def cmd_layerskip(args) -> None:
 
 
 def cmd_export(args) -> None:
+    from draftsmith.data.load import load_prompts
     import copy
 
     from draftsmith.models.common import read_drafter_meta
@@ -198,7 +208,9 @@ def cmd_export(args) -> None:
     from draftsmith.models.target import ensure_pad, load_target
 
     meta = read_drafter_meta(Path(args.drafter))
-    target, tok = load_target(args.target or meta["target"])
+    if args.verify:
+        load_prompts(args.data, 1)  # a bad holdout fails before any model loads
+    target, tok = load_target(args.target or meta["target"], args.dtype)
     ensure_pad(tok)
     source = copy.deepcopy(target) if args.verify else target  # a Medusa-2 load adapts the target it is given
     out = export(args.drafter, source, args.format, args.out, tok)
@@ -252,7 +264,7 @@ def cmd_serve_check(args) -> None:
     from draftsmith.eval.batched import parse_batch_sizes
     from draftsmith.eval.serve_check import markdown, serve_check
 
-    levels = parse_batch_sizes(args.concurrency)
+    levels = parse_batch_sizes(args.concurrency, "--concurrency")
     r = serve_check(args.dir, args.data, args.out, args.num_prompts, args.max_new_tokens, args.k, levels, args.target,
                     args.dtype, args.drafter, args.server, args.target_server, args.vllm_python, args.port,
                     tuple(args.vllm_arg))
@@ -435,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "that it drafts exactly like the drafter on a few holdout prompts; where vLLM is installed, "
                    "also serve it there (serve-check on 4 prompts, report in OUT-serve-check/)")
     x.add_argument("--data", default="builtin:code-holdout", help="holdout prompts for --verify")
+    x.add_argument("--dtype", default="auto", type=dtype_arg, help="the target's (and --verify's) precision: " + DTYPE_HELP)
     x.set_defaults(fn=cmd_export)
 
     pl = sub.add_parser("plan", help="per-rank GPU memory of a recipe under each launch preset (no weights loaded)",
@@ -456,8 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--private", action="store_true")
     pb.add_argument("--revision", help="upload to this branch (created if missing)")
     pb.add_argument("--dry-run", action="store_true", help="write the folder that would be uploaded; upload nothing")
-    pb.add_argument("--force", action="store_true", help="publish without the run's eval report, or with one that broke the verification rule "
-                    "(serving parity is always checked)")
+    pb.add_argument("--force", action="store_true", help="publish without the run's eval report (a report whose greedy "
+                    "rounds broke the verification rule is always refused; serving parity is always checked)")
     pb.add_argument("--out", help="the folder to write (default: next to the drafter, publish-FORMAT)")
     pb.add_argument("--license", default="other", help="model card license (the target's terms usually apply)")
     pb.add_argument("--target", help="target to check the drafter against (default: the one it was trained for)")

@@ -51,18 +51,18 @@ from draftsmith.util.kernels import packed_linears
 BATCH_SIZES_HELP = "positive integers separated by commas, e.g. 1,2,4,8"
 
 
-def parse_batch_sizes(text: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4] (the `--batch-sizes` option)."""
+def parse_batch_sizes(text: str, flag: str = "--batch-sizes") -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (the `--batch-sizes` option, and serve-check's `--concurrency`)."""
     items = [s.strip() for s in str(text).split(",")]
     if not all(s.isdigit() for s in items):  # rejects '', '-1', '1.5', 'a'
-        raise DraftsmithError(f"--batch-sizes: expected {BATCH_SIZES_HELP}; got '{text}'")
-    return check_batch_sizes([int(s) for s in items])
+        raise DraftsmithError(f"{flag}: expected {BATCH_SIZES_HELP}; got '{text}'")
+    return check_batch_sizes([int(s) for s in items], flag)
 
 
-def check_batch_sizes(sizes) -> list[int]:
+def check_batch_sizes(sizes, flag: str = "--batch-sizes") -> list[int]:
     sizes = list(sizes)
     if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes):
-        raise DraftsmithError(f"--batch-sizes: expected {BATCH_SIZES_HELP}; got {sizes}")
+        raise DraftsmithError(f"{flag}: expected {BATCH_SIZES_HELP}; got {sizes}")
     return sizes
 
 

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from draftsmith import DraftsmithError
-from draftsmith.eval.report import LOSSLESS
+from draftsmith.eval.report import LOSSLESS_NOTE, lossless_cell
 from draftsmith.eval import selfspec
 from draftsmith.eval.cascade import build_cascade, parse_cascade
 from draftsmith.eval.lookahead import HybridProposer, LookaheadProposer
@@ -101,7 +101,7 @@ def compare_table(reports: list[dict]) -> str:
         shape = f"tree {r['tree']}" if r["tree"] else (f"chain K={r['k']}" if r["k"] else "-")
         pp = " ".join(f"{p:.2f}" for p in r["per_position"]) or "-"
         lines.append(f"| {r['drafter']} | {r['holdout']} | {shape} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | "
-                     f"{r['speedup']:.2f}x | {LOSSLESS[r['lossless']]} |")
+                     f"{r['speedup']:.2f}x | {lossless_cell(r)} |")
     return "\n".join(lines)
 
 
@@ -115,7 +115,7 @@ def curve_tables(reports: list[dict]) -> str:
              f"| drafter | holdout | {' | '.join(f'B={b}' for b in sizes)} |", "|---|---|" + "---|" * len(sizes)]
     for r in with_curve:
         lines.append(f"| {r['drafter']} | {r['holdout']} | "
-                     + " | ".join(f"{c['speedup']:.2f}x (τ {c['tau']:.2f}){'' if c['lossless'] else ' NOT LOSSLESS'}"
+                     + " | ".join(f"{c['speedup']:.2f}x (τ {c['tau']:.2f}){'' if c['lossless'] else ' (not identical)'}"
                                   for c in r["batch_curve"]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -133,7 +133,7 @@ def write_compare(reports: list[dict], out: Path) -> None:
     (tmp / "compare.md").write_text(
         f"# draftsmith compare\n\nTarget `{r0['target']}`, up to {r0['num_prompts']} prompts per holdout, temperature "
         f"{r0['temperature']}, batch size 1, one process; measured on {r0.get('device_name')} ({r0.get('dtype')}).\n\n"
-        + compare_table(reports) + "\n" + curve_tables(reports))
+        + compare_table(reports) + "\n\n" + LOSSLESS_NOTE + "\n" + curve_tables(reports))
     drafters = list(dict.fromkeys(r["drafter"] for r in reports))
     holdouts = list(dict.fromkeys(r["holdout"] for r in reports))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))

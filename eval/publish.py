@@ -175,10 +175,12 @@ def speculators_line(parity: dict) -> str:
         return f" speculators {check['version']} `SpeculatorModel.from_pretrained` refused it: {check['error']}."
     return (f" speculators {check['version']} `SpeculatorModel.from_pretrained` loaded it as {check['class']}: "
             f"{check['tensors']} tensors, unused {check['unused_tensors'] or 'none'}, max |Δ| {check['max_abs_diff']:.1e}"
-            f"{_forward_words(check['forward'])}.")
+            f"{_forward_words(check.get('forward'))}.")
 
 
-def _forward_words(fwd: dict) -> str:
+def _forward_words(fwd: dict | None) -> str:
+    if fwd is None:  # a family whose consumer check loads the tensors only (its forward runs in vLLM's serve-check)
+        return "; its forward was not run here"
     if "error" in fwd:
         return f"; running its forward failed: {fwd['error']}"
     return (f"; and ran it (first draft step, every prompt position): max |Δ logits| {fwd['max_abs_logit_diff']:.2e} "
@@ -213,10 +215,11 @@ def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None 
     # The gate is the verification rule, checked round by round (`rule_exact`): identity with a
     # separately run target-only decode also fails on bf16 near-ties, where the rule still holds.
     # Reports written before the rule was checked carry only `lossless`.
+    # --force covers a missing report, never a broken rule: a drafter that broke it is not published.
     exact = None if report is None else report.get("rule_exact", report["lossless"])
-    if exact is False and not force:
+    if exact is False:
         raise DraftsmithError(f"{report_file}: the eval broke the verification rule (rule_exact false): the drafter's "
-                              f"speculation is not lossless; refusing to publish (--force overrides)")
+                              f"speculation is not lossless; refusing to publish")
     token = None
     if not dry_run:
         from huggingface_hub import get_token

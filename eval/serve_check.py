@@ -29,8 +29,9 @@ from pathlib import Path
 from draftsmith import DraftsmithError
 from draftsmith.data import vllm_server
 from draftsmith.data.load import encode_prompt, load_prompts
-from draftsmith.eval.report import _where
+from draftsmith.eval.report import _where, lossless_cell
 from draftsmith.eval.run import evaluate, target_baseline
+from draftsmith.models.common import read_drafter_meta
 from draftsmith.models.export import export, import_export
 from draftsmith.models.registry import DRAFTERS, drafter_module, load_drafter, target_to_load_on
 from draftsmith.models.target import ensure_pad, load_target, resolve_target
@@ -52,6 +53,19 @@ def _read_config(path: Path) -> dict:
         return json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise DraftsmithError(f"{path}/config.json: cannot read a drafter or export config ({e})") from None
+
+
+def served_target_name(path: Path) -> str:
+    """The target an export or a drafter folder names, read before any model loads: a folder that is
+    neither is a one-line error."""
+    config = _read_config(path)
+    if "draftsmith_format" in config:  # a trained drafter folder (final/)
+        return read_drafter_meta(path)["target"]
+    target = (config.get("draftsmith") or {}).get("target") if isinstance(config, dict) else None
+    if not target:
+        raise DraftsmithError(f"{path}/config.json: not a draftsmith drafter or export (expected a 'draftsmith' "
+                              "section naming the target, as `draftsmith export` writes)")
+    return target
 
 
 def prepare(path: Path, out: Path, target, tok, drafter: Path | None = None):
@@ -130,9 +144,8 @@ def serve_check(path: str | Path, data: str, out: str | Path, num_prompts: int =
     concurrency = sorted(set(concurrency or [1]) | {1})
     if server is None or target_server is None:
         vllm_python = vllm_server.find_python(vllm_python)  # fail before any model loads
-    meta = _read_config(path)
-    info = meta.get("draftsmith") or meta
-    target, tok = load_target(target_name or info["target"], dtype)
+    load_prompts(data, num_prompts)  # a bad holdout fails before any model loads, as a bad folder does
+    target, tok = load_target(target_name or served_target_name(path), dtype)
     ensure_pad(tok)
     out.mkdir(parents=True, exist_ok=True)
     export_dir, config, source = prepare(path, out, target, tok, Path(drafter) if drafter else None)
@@ -155,7 +168,8 @@ def serve_check(path: str | Path, data: str, out: str | Path, num_prompts: int =
               "served_target": served, "data": data, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
               "k": k, "dtype": dtype, "vllm_version": plain["version"], "draftsmith_tau": ours["tau"],
               "draftsmith_per_position": ours["per_position"], "draftsmith_acceptance_rate": ours["acceptance_rate"],
-              "draftsmith_lossless": ours["lossless"], "where": _where(ours)}
+              "draftsmith_lossless": ours["lossless"], "draftsmith_rule_exact": ours["rule_exact"],
+              "draftsmith_lossless_cell": lossless_cell(ours), "where": _where(ours)}
     try:
         spec = vllm_side(served, prompts, max_new_tokens, concurrency, speculative, url=server, **kw)
     except DraftsmithError as e:  # vLLM refused the export: that is the finding
@@ -176,6 +190,8 @@ def serve_check(path: str | Path, data: str, out: str | Path, num_prompts: int =
     result["draftsmith_speedup"] = ours["speedup"]
     result["draftsmith_batch_curve"] = ours.get("batch_curve")
     why = []
+    if ours["rule_exact"] is False:
+        why.append("draftsmith's greedy rounds broke the verification rule (rule_exact false)")
     if not result["identical_to_target_only"]:
         why.append(f"vLLM's speculative outputs differ from its target-only outputs on "
                    f"{len(prompts) - result['prompts_identical_to_target_only']} of {len(prompts)} prompts")
@@ -217,12 +233,15 @@ def markdown(r: dict) -> str:
     pp = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
     yes = lambda ok, n: f"{'yes' if ok else 'NO'} ({n}/{r['num_prompts']})"  # noqa: E731
     return "\n".join(head + [
-        "| engine | τ | acceptance | per-position | identical |", "|---|---|---|---|---|",
+        "| engine | τ | acceptance | per-position | lossless |", "|---|---|---|---|---|",
         f"| vLLM | {r['vllm_tau']:.2f} | {r['vllm_acceptance_rate']:.2f} | {pp(r['vllm_per_position'])} | "
-        f"{yes(r['identical_to_target_only'], r['prompts_identical_to_target_only'])} to vLLM target-only |",
+        f"identical to vLLM target-only: {yes(r['identical_to_target_only'], r['prompts_identical_to_target_only'])} |",
         f"| draftsmith | {r['draftsmith_tau']:.2f} | {r['draftsmith_acceptance_rate']:.2f} | "
-        f"{pp(r['draftsmith_per_position'])} | vLLM target-only = draftsmith's: "
-        f"{yes(r['identical_to_draftsmith'], r['prompts_identical_to_draftsmith'])} |", "",
+        f"{pp(r['draftsmith_per_position'])} | {r.get('draftsmith_lossless_cell', '?')} |", "",
+        f"vLLM target-only = draftsmith's target-only: {yes(r['identical_to_draftsmith'], r['prompts_identical_to_draftsmith'])}. "
+        "vLLM's rounds are not visible from outside, so its column is output identity; draftsmith's is the "
+        "verification rule checked round by round (`rule_exact`), with identity beside it (report.md of `draftsmith eval` "
+        "explains both).", "",
         f"τ differs by {r['tau_rel_diff']:.1%} (tolerance {r['tau_tolerance']:.1%}): "
         f"**{'passed' if r['passed'] else 'FAILED: ' + r['why']}**.", "",
         "| concurrency | vLLM target tok/s | vLLM spec tok/s | vLLM speedup |", "|---|---|---|---|",

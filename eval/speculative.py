@@ -64,7 +64,7 @@ class Stats:
         return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
 
 
-def _forward(target, ids: list[int], cache, device, names=(), mask=None, positions=None):
+def verification_forward(target, ids: list[int], cache, device, names=(), mask=None, positions=None):
     """Target forward over new tokens with its KV cache -> (features dict [1, T, *], logits [1, T, V]).
     mask/positions: a 4-D tree attention mask and its position ids (default: causal, consecutive)."""
     batch = {"input_ids": torch.tensor([ids], device=device), "attention_mask": mask, "position_ids": positions}
@@ -72,19 +72,15 @@ def _forward(target, ids: list[int], cache, device, names=(), mask=None, positio
     return feats, target.get_output_embeddings()(feats["last_hidden"])
 
 
-@torch.no_grad()
 def target_decode(target, prompt: list[int], max_new: int, eos: set[int], sampler=None) -> list[int]:
-    """Plain decoding with a KV cache, greedy (sampler None) or sampled: the baseline, and the
-    reference that speculative decoding must reproduce exactly (greedy) or in distribution."""
-    device = next(target.parameters()).device
-    cache = DynamicCache()
-    pick = (lambda lg: int(lg.argmax())) if sampler is None else (lambda lg: sampler.sample(sampler.probs(lg)))
-    _, logits = _forward(target, prompt, cache, device)
-    out = [pick(logits[0, -1])]
-    while len(out) < max_new and out[-1] not in eos:
-        _, logits = _forward(target, out[-1:], cache, device)
-        out.append(pick(logits[0, -1]))
-    return out
+    """Target-only decoding, greedy (sampler None) or sampled: the baseline, and the reference that
+    speculative decoding must reproduce exactly (greedy) or in distribution.
+
+    It is `speculative_decode` with no drafter, on purpose: the baseline and the reference are one
+    computation (the same forward with the same verification mask and position ids, so the same
+    kernels), so `--drafter none` is identical to the reference in bf16 too, and any mismatch an
+    eval reports comes from the drafts, never from two code paths (docs/troubleshooting.md, "bf16 near-ties")."""
+    return speculative_decode(target, None, prompt, 0, max_new, eos, sampler)
 
 
 def target_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
@@ -186,7 +182,7 @@ def speculative_decode(target, proposer, prompt: list[int], k: int, max_new: int
     device = next(target.parameters()).device
     names = getattr(proposer, "feature_names", ())
     cache = DynamicCache()
-    feats, logits = _forward(target, prompt, cache, device, names)
+    feats, logits = verification_forward(target, prompt, cache, device, names)
     first = logits[0, -1]
     tokens = list(prompt) + [int(first.argmax()) if sampler is None else sampler.sample(sampler.probs(first))]
     # Target features of every token the target has processed (all but the newest one).
@@ -201,7 +197,7 @@ def speculative_decode(target, proposer, prompt: list[int], k: int, max_new: int
             draft = proposer.propose(ctx, feats, k, sampler) if tree is None else proposer.propose_tree(ctx, feats, tree)
         prefix = len(tokens) - 1  # the target has cached every token but the newest (the root)
         mask, positions = verification_inputs(draft, prefix, device)
-        new_feats, logits = _forward(target, tokens[-1:] + draft.tokens, cache, device, names, mask, positions)
+        new_feats, logits = verification_forward(target, tokens[-1:] + draft.tokens, cache, device, names, mask, positions)
         path, new = verify_tree_greedy(draft, logits[0]) if sampler is None else verify_tree_sampled(draft, logits[0], sampler)
         if stats is not None and sampler is None:
             stats.rule_breaks += not rule_exact(draft, logits[0], path, new)

@@ -295,6 +295,9 @@ class BlockProposer:
         self.drafter, self.cfg = drafter.eval(), cfg
         self.feature_names = feature_names(cfg, target.config)
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        # block outputs [t, H] -> logits [t, V]; an attribute, as FeatureProposer's, so `export --verify`
+        # can record every logits row the drafter computed (eval/publish.py Recorder).
+        self.logits = lambda out: self.lm_head(out.to(self.lm_head.weight.dtype))
         self.max_depth = cfg.block_size - 1
         self.reset()
 
@@ -325,7 +328,7 @@ class BlockProposer:
         ids = torch.cat([tokens[:, n_feats : n_feats + 1], torch.full((1, m), self.cfg.mask_token_id, device=device)], 1)
         pos = torch.arange(n_feats, n_feats + 1 + m, device=device)[None]
         out = d.block(self.embed(ids).to(d.fc.weight.dtype), pos, self.kv)
-        return self.lm_head(out[0, 1:].to(self.lm_head.weight.dtype))  # slot 0's output is unused
+        return self.logits(out[0, 1:])  # slot 0's output is unused
 
 
 def make_proposer(drafter, target, cfg: DrafterConfig) -> BlockProposer:

@@ -91,7 +91,10 @@ class EagleDrafter(nn.Module):
     def step(self, features, token_embeds, position_ids, attention_mask, cache=None):
         """One drafter pass. features, token_embeds: [B, T, H] (pair i = f_i with embed(t_{i+1}));
         returns f̂ [B, T, H]."""
-        x = self.fc(torch.cat([token_embeds, features.to(token_embeds.dtype)], dim=-1))
+        # Both inputs come from the target (its embeddings, its hidden states) in the target's dtype;
+        # the drafter may be in another (an fp32 drafter beside a bf16 target), so cast to fc's.
+        dtype = self.fc.weight.dtype
+        x = self.fc(torch.cat([token_embeds.to(dtype), features.to(dtype)], dim=-1))
         pos_emb = self.rotary(x, position_ids)
         return self.layer(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                           use_cache=cache is not None, position_embeddings=pos_emb)
@@ -158,9 +161,11 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
         # Step j of chain r predicts f_{r+j+1}, i.e. the target's distribution for t_{r+j+2}:
         # counted iff that token exists and is trained (an assistant token).
         sel = (roots + j + 2 < seq)[None] & lmask_ext[:, j + 2 : j + 2 + t].bool()
-        pred, true = out[sel], f_ext[:, j + 1 : j + 1 + t][sel].to(out.dtype)
+        pred, true = out[sel], f_ext[:, j + 1 : j + 1 + t][sel]
         ones = torch.ones(pred.shape[0], device=pred.device)
-        s_logits, t_logits = lm_head(pred), lm_head(true)
+        # The target's lm_head scores both in its own dtype; the feature loss compares in the drafter's.
+        s_logits, t_logits = lm_head(pred.to(true.dtype)), lm_head(true)
+        true = true.to(out.dtype)
         l_feat = smooth_l1_feature_loss(pred, true, ones)
         l_tok = soft_cross_entropy(s_logits, t_logits, ones)
         loss = cfg.feature_loss_weight * l_feat + cfg.token_loss_weight * l_tok

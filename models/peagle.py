@@ -190,6 +190,9 @@ class ParallelProposer:
         self.drafter, self.cfg = drafter.eval(), cfg
         self.feature_names = feature_names(cfg, target.config)
         self.embed = target.get_input_embeddings()
+        # out [1, t, H] -> target-vocabulary logits [1, t, V]; an attribute, as FeatureProposer's, so
+        # `export --verify` can record every logits row the drafter computed (eval/publish.py Recorder).
+        self.logits = drafter.target_vocab_logits
         self.max_depth = cfg.depths
         self.reset()
 
@@ -211,7 +214,7 @@ class ParallelProposer:
         out = d.step(hidden.to(emb.dtype), emb, pos, causal_mask(t, n_feats + m, device=device), self.cache)
         self.n_real = n_feats
         draft = Draft()
-        for i, logits in enumerate(d.target_vocab_logits(out[:, -(m + 1):])[0]):  # bonus slot, then mask slots
+        for i, logits in enumerate(self.logits(out[:, -(m + 1):])[0]):  # bonus slot, then mask slots
             q = None if sampler is None else sampler.probs(logits)
             draft.add(int(logits.argmax()) if q is None else sampler.sample(q), i - 1, q)
         return draft

@@ -26,18 +26,19 @@ fi
 # of them run at once.
 failed=0
 phase "unit tests" env OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n auto --dist loadgroup \
-  -m "not integration and not vllm and not chi_square" --durations=10 || failed=1
+  -m "not integration and not vllm and not chi_square and not script" --durations=10 || failed=1
 
 # A real vLLM server on loopback (.venv-vllm): EAGLE-3 end to end, a broken export, server clean-up,
 # regeneration. The other families' checks are `-m vllm_families` (about 8 more server starts).
 # A vLLM server and the test waiting on it take turns, so these keep about one core busy; the
-# integration tests (the real embedded smollm2-135m, a shortened quickstart) and then the chi-square
-# sampling tests run beside them, each in one torch thread: with two threads each, OpenMP's spinning
+# integration tests (the real embedded smollm2-135m, a shortened quickstart), the chi-square sampling
+# tests and the script tests (gpu-check.sh's CPU dry path) run beside them, each in one torch thread: with two threads each, OpenMP's spinning
 # waits made vLLM and integration side by side take twice as long as one after the other.
 beside_vllm() {
   local rc=0
   phase "integration tests" .venv/bin/python -m pytest -q -m integration || rc=1
   phase "chi-square tests" .venv/bin/python -m pytest -q -m "chi_square and not integration and not vllm" || rc=1
+  phase "script tests" .venv/bin/python -m pytest -q -m "script and not integration and not vllm" || rc=1
   return "$rc"
 }
 export OMP_NUM_THREADS=1

@@ -7,8 +7,12 @@ import string
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftsmith.eval.bench import tiny_target
+# The tokenizer, chat template and pattern data the tests share with scripts/gpu-check.sh.
+from draftsmith.eval.bench.tiny_target import (CHAT_TEMPLATE, make_tokenizer, pattern_chat,  # noqa: F401
+                                               plain_config, write_pattern_chats)
 
 # Tests that launch 2 processes run one at a time on one pytest-xdist worker (`--dist loadgroup`):
 # two such launches at once put 4 processes on 2 cores, where DeepSpeed's and gloo's waits spin.
@@ -21,24 +25,6 @@ def pytest_collection_modifyitems(items):
     and the 2-process test that uses it (zero3-offload) last, so it finds the op built."""
     order = {"builds": 0, "uses": 2}
     items.sort(key=lambda item: order.get(getattr(item.get_closest_marker("cpu_adam"), "args", ("",))[0], 1))
-
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-
-
-def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
-    chars = sorted(set(string.printable))
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character, newlines too
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  additional_special_tokens=SPECIALS[3:])
-    tok.chat_template = chat_template
-    return tok
 
 
 def make_target(seed: int = 0, vocab: int = 128, layers: int = 2) -> LlamaForCausalLM:
@@ -67,12 +53,12 @@ def save_target(path, seed: int = 0, chat_template: str | None = CHAT_TEMPLATE, 
 
 
 @pytest.fixture(autouse=True)
-def fp32_unless_integration(request, monkeypatch):
-    """Unit tests compare decodings token for token and weights to 1e-7, which holds in fp32; on a CPU
-    with native bf16, `auto` would pick bf16 for them. They run as on an AVX2 CPU (the bf16 choice
-    itself is tested with a mocked capability in test_precision.py); the `integration` tests keep
-    the precision `auto` picks for the machine."""
-    if "integration" not in request.keywords:
+def fp32_where_marked(request, monkeypatch):
+    """Tests run in the precision `auto` picks for the machine: bf16 on a CPU with native bf16 (as on
+    every GPU), fp32 on an AVX2-only one, so each kind of machine tests its own path. A test marked
+    `fp32_exact` compares against a separately computed reference token for token (or to fp32
+    rounding), which only fp32 guarantees; it pins fp32 on every CPU."""
+    if "fp32_exact" in request.keywords:
         monkeypatch.setenv("DRAFTSMITH_CPU_BF16", "0")
 
 
@@ -106,41 +92,14 @@ def chat_jsonl(tmp_path):
     return path
 
 
-def pattern_chat(i: int) -> list[dict]:
-    """A chat whose answer is an alphabet walk: start from the prompt's letters, stride 1..5."""
-    start, stride = i % 26, 1 + i % 5
-    walk = "".join(string.ascii_lowercase[(start + stride * j) % 26] for j in range(24))
-    return [{"role": "user", "content": walk[:3]}, {"role": "assistant", "content": walk}]
-
-
 def save_pattern_target(path, steps: int = 160, layers: int = 4, arch: str | None = None, chat_template: str = CHAT_TEMPLATE):
-    """A tiny target *trained* to answer `pattern_chat` prompts, so its greedy answers are varied and
-    learnable: a drafter of it has real acceptance, and a broken export visibly loses it (a random
-    target repeats one token, where any drafter is accepted). Head dim 32: the smallest vLLM's CPU
-    attention takes. Its chat turns end in <|im_end|>, which generation stops at. `arch`: one of
-    REAL_ARCHS (that architecture's config at this size), else a plain tied Llama."""
-    from transformers import AutoModelForCausalLM
-
+    """A tiny target *trained* to answer `pattern_chat` prompts (eval/bench/tiny_target.py), so its
+    greedy answers are varied and learnable: a drafter of it has real acceptance, and a broken export
+    visibly loses it. `arch`: one of REAL_ARCHS (that architecture's config at this size), else a
+    plain tied Llama."""
     tok = make_tokenizer(arch_template(arch) if arch else chat_template)
-    torch.manual_seed(0)
-    if arch:
-        cfg = arch_config(arch, len(tok), layers)
-    else:
-        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                          num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                          bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
-    model = AutoModelForCausalLM.from_config(cfg)
-    seqs = torch.tensor([tok.apply_chat_template(pattern_chat(i), tokenize=True, return_dict=False) for i in range(130)])
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(steps):
-        x = seqs[torch.arange(step * 16, step * 16 + 16) % len(seqs)]
-        model(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.generation_config.eos_token_id = [2, tok.convert_tokens_to_ids("<|im_end|>")]
-    model.eval().save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    cfg = arch_config(arch, len(tok), layers) if arch else plain_config(len(tok), layers)
+    return tiny_target.save_pattern_target(path, cfg, tok, steps)
 
 
 # Tiny random targets with the architectures users train on (models/known.py shrinks their real
@@ -175,10 +134,3 @@ def save_arch_target(path, arch: str, layers: int = 4, seed: int = 0):
     AutoModelForCausalLM.from_config(arch_config(arch, len(tok), layers)).eval().save_pretrained(path)
     tok.save_pretrained(path)
     return path
-
-
-def write_pattern_chats(path, ids) -> str:
-    import json
-
-    path.write_text("".join(json.dumps({"messages": pattern_chat(i)}) + "\n" for i in ids))
-    return str(path)

@@ -26,6 +26,24 @@ def test_precision_bench_prints_ratios_and_what_auto_picks(tiny_target_dir, caps
     assert len(rows) == 4 and all(float(l.strip("|").split("|")[3]) > 0 for l in rows)
 
 
+def test_near_ties_scores_every_token_once_and_finds_no_flip_in_fp32(tiny_target_dir, capsys):
+    """Teacher-forced verification passes score each reference token after the first exactly once; in
+    fp32 (prepacked oneDNN linears, batch-invariant rows) a pass of K+1 rows picks what the one-token
+    decode picked. Scoring against the wrong row (an off-by-one) would flip most tokens."""
+    from draftsmith.eval.bench import near_ties
+
+    r = near_ties.measure(str(tiny_target_dir), "float32", "builtin:code-holdout", prompts=2, max_new=12, k=3)
+    assert r["scored"] == 2 * 11 and r["flips"] == 0 and r["per_1000"] == 0.0
+    from draftsmith.eval.speculative import target_decode
+    from draftsmith.models.target import load_target
+
+    target, _ = load_target(str(tiny_target_dir), "float32")
+    ref = target_decode(target, [5, 6, 7], 12, set())
+    assert near_ties.flips(target, [5, 6, 7], ref, 3)[1] == 0
+    other = torch.randint(5, 100, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert near_ties.flips(target, [5, 6, 7], other, 3)[1] > 3  # not the target's own decode: rows disagree
+
+
 def test_staleness_update_makes_a_loadable_different_target(tiny_target, chat_jsonl, tmp_path):
     from draftsmith.eval.bench.staleness import update_target
     from draftsmith.models.target import fingerprint, load_target

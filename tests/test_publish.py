@@ -113,10 +113,12 @@ def test_refusals_are_one_line_errors(run, tiny_target_dir, monkeypatch, capsys)
     report.write_text(json.dumps({**data, "rule_exact": False}))
     assert main(base + ["--repo-id", "me/x", "--dry-run"]) == 1
     assert "broke the verification rule (rule_exact false)" in capsys.readouterr().err
-    assert main(base + ["--repo-id", "me/x", "--dry-run", "--force"]) == 0
+    assert main(base + ["--repo-id", "me/x", "--dry-run", "--force"]) == 1  # --force covers a missing report only
+    assert "broke the verification rule" in capsys.readouterr().err
     report.unlink()
     assert main(base + ["--repo-id", "me/x", "--dry-run"]) == 1
     assert "no eval report" in capsys.readouterr().err
+    assert main(base + ["--repo-id", "me/x", "--dry-run", "--force"]) == 0
     assert not (run / "publish-speculators.tmp").exists()
 
 

@@ -36,7 +36,7 @@ from draftsmith.models.registry import drafter_module, load_drafter, target_to_l
 from draftsmith.data.regenerate import cached_regeneration, regeneration_path
 from draftsmith.data.sharding import Shard
 # Imported with the loop, not at the eval stage: the eval runs the code the training run started with.
-from draftsmith.eval.report import format_table, write_before_after
+from draftsmith.eval.report import format_table, require_rule_exact, write_before_after
 from draftsmith.eval.run import evaluate_drafter
 from draftsmith.models.target import cache_root, ensure_pad, fingerprint, load_target
 from draftsmith.train import checkpoint
@@ -359,6 +359,7 @@ def eval_stage(cfg: Config, accelerator, module, dcfg, drafter, target, tok, fin
         drafter.load_state_dict(init_state)
         rows += [("before", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, **kwargs)) for h in holdouts]
         accelerator.print(write_before_after(rows, cfg.run_dir / "eval"))
+    require_rule_exact(report, str(cfg.run_dir / "eval"))  # after everything is written: the evidence stays
     return report
 
 

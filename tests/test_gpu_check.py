@@ -1,0 +1,29 @@
+"""scripts/gpu-check.sh: it parses, refuses bad arguments, and its CPU dry path runs (every family's
+launch command, then one family trained, evaluated with the rule checked and exported with --verify).
+On a GPU it is run by hand (docs/scale-out.md); CI has none."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu-check.sh"
+
+
+def test_it_parses_and_refuses_bad_arguments():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    r = subprocess.run(["bash", str(SCRIPT), "--steps", "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip() == "gpu-check.sh: error: --steps: expected a positive whole number, got '0'"
+
+
+@pytest.mark.script
+def test_the_cpu_dry_path_trains_evaluates_and_verifies_one_family(tmp_path):
+    r = subprocess.run(["bash", str(SCRIPT), "--cpu-dry", "--out", str(tmp_path / "gc")], capture_output=True, text=True,
+                       cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "launch commands: every family's parses (launch.sh --dry-run)" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if line.startswith("| eagle3 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1].startswith("ok") and cells[4].startswith("yes (identical") and cells[8].startswith("ok"), row
+    assert float(cells[5]) > 0 and float(cells[6]) > 0
