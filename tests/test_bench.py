@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end on tiny models (their figures come from real runs only)."""
 
+import pytest
 import torch
 
 from draftsmith.eval.bench import verify_cost
@@ -44,6 +45,7 @@ def test_near_ties_scores_every_token_once_and_finds_no_flip_in_fp32(tiny_target
     assert near_ties.flips(target, [5, 6, 7], other, 3)[1] > 3  # not the target's own decode: rows disagree
 
 
+@pytest.mark.fp32_exact
 def test_staleness_update_makes_a_loadable_different_target(tiny_target, chat_jsonl, tmp_path):
     from draftsmith.eval.bench.staleness import update_target
     from draftsmith.models.target import fingerprint, load_target

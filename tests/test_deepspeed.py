@@ -27,8 +27,8 @@ from draftsmith.train.loop import fill_deepspeed_config, train
 from tests.conftest import MULTIPROCESS
 from tests.test_train import _overrides, _weights
 
-pytestmark = MULTIPROCESS
-
+# Every DeepSpeed run is compared with the 1-process reference weight for weight: fp32 on every CPU.
+pytestmark = [MULTIPROCESS, pytest.mark.fp32_exact]
 ROOT = Path(__file__).resolve().parents[1]
 no_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                   reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install -e '.[deepspeed]')")

@@ -9,9 +9,10 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.eval.speculative import Sampler, Stats, speculative_decode, target_decode
 from draftsmith.models import distill
-from tests.conftest import make_target, make_tokenizer
+from tests.conftest import lossless_ok, make_target, make_tokenizer
 
 
+@pytest.mark.fp32_exact
 def test_a_student_keeping_every_layer_is_the_target_and_spaced_layers_span_the_depth(tiny_target):
     target, tok = tiny_target
     ids = torch.tensor([tok("say 12")["input_ids"]])
@@ -95,7 +96,7 @@ def test_distillation_in_the_shared_loop_evaluates_and_exports_a_plain_causal_lm
     log = [json.loads(l) for l in (run / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < log[0]["loss"] and log[-1]["accept"] > log[0]["accept"]
     report = json.loads((run / "eval" / "report.json").read_text())
-    assert report["drafter"] == "distill" and report["lossless"] and report["k"] == 3
+    assert report["drafter"] == "distill" and lossless_ok(report) and report["k"] == 3
 
     target, tok = load_target(str(tiny_target_dir))
     out = export(run / "final", target, "hf", tmp_path / "hf", tok)
@@ -151,6 +152,7 @@ def test_a_real_student_generates_its_own_answers_and_the_loss_uses_them(tiny_ta
     assert n == len(greedy) and loss > 0
 
 
+@pytest.mark.fp32_exact
 def test_lora_students_train_adapters_only_and_merge_to_the_same_logits(tiny_target):
     target, tok = tiny_target
     cfg = distill.DrafterConfig(num_layers=1, lora_rank=4)
@@ -173,6 +175,7 @@ def test_lora_students_train_adapters_only_and_merge_to_the_same_logits(tiny_tar
     torch.testing.assert_close(merged(ids).logits, student(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.fp32_exact
 def test_offline_top_k_logits_cost_2k_plus_1_floats_and_match_the_full_loss_when_k_is_the_vocabulary(tiny_target):
     from draftsmith.data.features import target_features, topk_logits, unpack_topk
 

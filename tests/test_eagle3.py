@@ -42,6 +42,7 @@ def test_ttt_mask_sees_real_prefix_and_own_chain_only():
     assert m[root, 8:].tolist() == [False, False, True, False]   # own step-2 state only
 
 
+@pytest.mark.fp32_exact
 def test_ttt_step_j_matches_inference_draft_step_j(tiny_target):
     """The unrolled training forward gives, at step j, the logits that cached inference gives
     at draft step j for the same chain when the earlier drafts were the true tokens."""
@@ -72,6 +73,7 @@ def test_ttt_step_j_matches_inference_draft_step_j(tiny_target):
             out = d.step(out, embed(ids[:, pos + 1 : pos + 2]), torch.tensor([[pos]]), causal_mask(1, pos + 1), cache)
 
 
+@pytest.mark.fp32_exact
 def test_ttt_loss_learns_and_greedy_stays_lossless(tiny_target):
     target, _ = tiny_target
     torch.manual_seed(0)
@@ -104,6 +106,7 @@ SWITCH_SETS = [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_output": True
 
 
 @pytest.mark.parametrize("switches", SWITCH_SETS, ids=lambda s: "+".join(s))
+@pytest.mark.fp32_exact
 def test_eagle31_ttt_unroll_matches_the_proposers_steps(tiny_target, switches):
     """Training feeds step j+1 what the proposer feeds a child: carry(out) (norm(out) under
     norm_output); the norms before fc see target features only. A switch changes the drafts."""

@@ -31,6 +31,7 @@ def _trained(module, cfg, target, seed):
 
 
 @pytest.mark.parametrize("module,cfg,formats", CASES, ids=[c[0].NAME for c in CASES])
+@pytest.mark.fp32_exact
 def test_init_from_a_final_folder_and_every_export_format_loads_identical_weights(tiny_target, tmp_path, module, cfg,
                                                                                  formats):
     target, tok = tiny_target
@@ -48,6 +49,7 @@ def test_init_from_a_final_folder_and_every_export_format_loads_identical_weight
             assert torch.equal(want[name], got[name]), (folder.name, name)
 
 
+@pytest.mark.fp32_exact
 def test_official_style_exports_without_draftsmiths_section_are_recognised(tiny_target, tmp_path):
     target, tok = tiny_target
     cfg = eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=40)

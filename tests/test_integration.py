@@ -48,6 +48,7 @@ def test_shortened_quickstart(smollm, tmp_path):
     run = train(cfg)
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["target"] == "smollm2-135m" and report["tree"]
+    assert report["rule_exact"] is True  # the guarantee, in every precision (train also fails without it)
     if report["dtype"] == "float32":
         assert report["lossless"]
     else:  # bf16 (a CPU with native bf16): a mismatch may only be a numerical near-tie of the target's

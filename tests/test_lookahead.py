@@ -257,6 +257,7 @@ def _eagle(target):
     return eagle.make_proposer(eagle.build(eagle.DrafterConfig(), target).eval(), target, eagle.DrafterConfig())
 
 
+@pytest.mark.fp32_exact
 def test_model_proposers_with_a_cache_resync_after_skipped_rounds(tiny_target):
     """What the hybrid does to a model proposer: call it, skip some rounds (the context jumps ahead,
     and the tail it was fed is not what got verified), call it again. Its draft must equal a fresh
@@ -277,6 +278,7 @@ def test_model_proposers_with_a_cache_resync_after_skipped_rounds(tiny_target):
 
 
 @pytest.mark.parametrize("kind", ["student", "eagle", "eagle-tree", "lookahead"])
+@pytest.mark.fp32_exact
 def test_greedy_hybrid_equals_target_greedy_and_uses_both_sources(tiny_target, kind):
     """On the tiny target (which soon repeats one token) and on the bigram target (a 7-token cycle,
     which lookup predicts once the cycle has been seen)."""
@@ -294,6 +296,7 @@ def test_greedy_hybrid_equals_target_greedy_and_uses_both_sources(tiny_target, k
     assert rounds["lookup" if tree is None else "both"] > 0 and rounds["model"] > 0
 
 
+@pytest.mark.fp32_exact
 def test_batched_rows_get_their_own_model_proposer(tiny_target):
     """Batched decoding copies the proposer per row; a shared FeatureProposer cache would mix rows."""
     from draftsmith.eval.batched import speculative_decode_batch

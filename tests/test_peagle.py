@@ -35,6 +35,7 @@ def test_sampled_chains_are_contiguous_and_thin_out_with_depth():
         assert all(a + d + 1 <= last for a, d in slots)  # every kept slot has a trained label row
 
 
+@pytest.mark.fp32_exact
 def test_the_packed_pass_gives_each_slot_the_logits_the_proposer_drafts_with(tiny_target):
     """Mask slot d of anchor a in training = draft d+1 of a proposer whose newest token is x_{a+1}."""
     target, _ = tiny_target
@@ -67,6 +68,7 @@ def test_the_packed_pass_gives_each_slot_the_logits_the_proposer_drafts_with(tin
     assert torch.allclose(logits, train, atol=1e-5)
 
 
+@pytest.mark.fp32_exact
 def test_peagle_learns_every_depth_and_greedy_stays_lossless(tiny_target):
     target, _ = tiny_target
     torch.manual_seed(0)
@@ -140,6 +142,7 @@ def test_bad_peagle_configs_are_one_line_errors(tiny_target):
         peagle.build(_cfg(aux_layers=[2, 1, 0]), target)
 
 
+@pytest.mark.fp32_exact
 def test_init_from_a_peagle_export_takes_its_layers_norm_and_mask_token(tiny_target, tmp_path):
     from draftsmith.models.export import init_weights, read_config
 

@@ -14,6 +14,7 @@ from draftsmith.train.plan import per_rank, plan, sizes, target_config
                                     ["drafter.type=medusa", "drafter.num_heads=2", "drafter.backbone=lora",
                                      "drafter.backbone_lr=1e-3", "drafter.lora_rank=4", "eval.k=2"],
                                     ["drafter.type=distill", "drafter.num_layers=1"]], ids=["eagle3", "medusa2", "distill"])
+@pytest.mark.fp32_exact
 def test_weights_gradients_and_optimizer_bytes_equal_real_tensors_after_a_step(tiny_target_dir, tiny_target, family):
     from draftsmith.models.registry import drafter_module
 
@@ -57,6 +58,7 @@ def test_plan_cli_prints_known_targets_offline(capsys):
 
 
 @pytest.mark.parametrize("case", ["tiny-eagle3", "tiny-medusa2", "tiny-distill"])
+@pytest.mark.fp32_exact
 def test_planned_memory_is_within_20_percent_of_the_allocations_measured_in_a_training_step(case):
     # eval/bench/memory.py: the step's peak comes from torch's profiler (every CPU allocation and
     # free); weights and optimizer state from the real tensors, which the planner must hit exactly.

@@ -167,6 +167,7 @@ def test_a_medusa2_drafter_publishes_its_heads_and_the_merged_backbone(tiny_targ
     assert "the `backbone/` folder of this repo" in card and "(passed)" in card and '"method": "medusa"' in card
 
 
+@pytest.mark.fp32_exact
 def test_export_verify_reports_serving_parity_and_catches_a_bad_mapping(run, tiny_target_dir, chat_jsonl, capsys,
                                                                         monkeypatch):
     import torch

@@ -14,7 +14,7 @@ from draftsmith.models.registry import drafter_module
 from draftsmith.models.target import load_target
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import train
-from tests.conftest import REAL_ARCHS, save_arch_target, write_pattern_chats
+from tests.conftest import REAL_ARCHS, lossless_ok, save_arch_target, write_pattern_chats
 
 FAMILIES = {
     "eagle": {"drafter.type": "eagle"},
@@ -57,7 +57,7 @@ def test_every_family_trains_evaluates_losslessly_and_exports_with_the_targets_r
     data = write_pattern_chats(tmp_path / "chats.jsonl", range(24))
     run = _train(arch_targets[arch], data, tmp_path, FAMILIES[family])
     report = json.loads((run / "eval" / "report.json").read_text())
-    assert report["lossless"] is True and report["new_tokens"] > 0
+    assert lossless_ok(report) and report["new_tokens"] > 0
     target, tok = load_target(str(arch_targets[arch]), "float32")
     module = drafter_module(FAMILIES[family]["drafter.type"])
     out = export(run / "final", target, module.SERVE_FORMAT, tmp_path / "export", tok=tok)

@@ -4,6 +4,7 @@ reads those ids verbatim."""
 
 import json
 
+import pytest
 import torch
 
 from draftsmith.data.batching import build_dataset
@@ -14,6 +15,7 @@ from draftsmith.models.target import ensure_pad, fingerprint
 NAMES = ("hidden.0", "last_hidden")
 
 
+@pytest.mark.fp32_exact
 def test_answers_equal_unbatched_greedy_and_features_equal_a_fresh_forward(tiny_target):
     target, tok = tiny_target
     ensure_pad(tok)
@@ -33,6 +35,7 @@ def test_answers_equal_unbatched_greedy_and_features_equal_a_fresh_forward(tiny_
             torch.testing.assert_close(feats[n], fresh[n][0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.fp32_exact
 def test_regenerated_records_and_feature_cache_are_consistent(tiny_target, chat_jsonl, tmp_path):
     target, tok = tiny_target
     ensure_pad(tok)

@@ -112,6 +112,7 @@ def test_corrupt_checkpoint_and_nan_loss_are_clear_errors(tiny_target_dir, chat_
     assert not (run / "final").exists() and not list(run.glob("*.tmp"))
 
 
+@pytest.mark.fp32_exact
 def test_offline_features_match_online_and_cost_4H_bytes_per_fp32_token(tiny_target_dir, chat_jsonl, tmp_path):
     from draftsmith.cli import main
 
@@ -148,6 +149,7 @@ def test_the_two_process_tests_share_one_xdist_worker(request):
 @MULTIPROCESS
 @pytest.mark.parametrize("family", [{"drafter.feature_noise": 0}, {"drafter.type": "medusa", "drafter.num_heads": 2},
                                     MEDUSA2, DISTILL], ids=["eagle", "medusa", "medusa2", "distill"])
+@pytest.mark.fp32_exact
 def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_dir, chat_jsonl, tmp_path, family):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
     common = _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{**family, "optim.max_steps": 4})

@@ -20,6 +20,7 @@ def _logits(target, ids, **kw):
     return target.get_output_embeddings()(feats["last_hidden"])[0]
 
 
+@pytest.mark.fp32_exact
 def test_tree_attention_equals_decoding_each_path(tiny_target):
     target, _ = tiny_target
     prefix = [1, 7, 9, 30, 31, 7]
@@ -80,6 +81,7 @@ def _drafters(target):
     return [e1, eagle3.make_proposer(d3, target, cfg3)]
 
 
+@pytest.mark.fp32_exact
 def test_static_tree_branch_equals_the_chain_despite_siblings(tiny_target):
     """Siblings fed in the same drafter pass must not see each other: the all-top-1 path of a
     static tree equals the greedy chain."""
@@ -103,6 +105,7 @@ def test_static_tree_branch_equals_the_chain_despite_siblings(tiny_target):
 
 
 @pytest.mark.parametrize("tree", ["dynamic:depth=4,top_k=3,tokens=12", "static:[[0],[1],[0,0],[1,0],[0,1],[0,0,0]]"])
+@pytest.mark.fp32_exact
 def test_greedy_tree_decoding_is_lossless(tiny_target, tree):
     target, _ = tiny_target
     prompt = torch.randint(5, 90, (12,), generator=torch.Generator().manual_seed(1)).tolist()
