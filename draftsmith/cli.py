@@ -200,9 +200,9 @@ def cmd_layerskip(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from draftsmith.data.load import load_prompts
     import copy
 
+    from draftsmith.data.load import load_prompts
     from draftsmith.models.common import read_drafter_meta
     from draftsmith.models.export import export
     from draftsmith.models.target import ensure_pad, load_target

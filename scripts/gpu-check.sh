@@ -36,15 +36,17 @@ if ! "$python" -c "import draftsmith.cli" 2>/dev/null; then
   [ -z "$wheels" ] || "$python" -m pip install -q --no-index --find-links "$wheels" "$wheels"/*.whl
   "$python" -m pip install -q --no-index --no-deps --no-build-isolation -e .
 fi
-"$python" -c "import torch, transformers, accelerate, peft, draftsmith.cli" \
-  || { echo "gpu-check.sh: error: draftsmith does not import (bring its missing dependencies with --wheels DIR)" >&2; exit 1; }
+missing=$("$python" -c 'import importlib.util as u; print(" ".join(m for m in ["torch", "transformers", "accelerate",
+  "peft", "datasets", "safetensors", "huggingface_hub", "gguf", "yaml", "tqdm", "rich", "filelock", "matplotlib"] if not u.find_spec(m)))')
+[ -z "$missing" ] || { echo "gpu-check.sh: error: missing $missing (bring them as wheels: --wheels DIR)" >&2; exit 1; }
+"$python" -c "import draftsmith.cli" || { echo "gpu-check.sh: error: draftsmith does not import (its error is above)" >&2; exit 1; }
 if [ "$dry" = 0 ]; then
   "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
     || { echo "gpu-check.sh: error: no CUDA GPU visible to torch (on CPU use --cpu-dry)" >&2; exit 1; }
-  precision=(target_dtype=bf16 optim.mixed_precision=bf16 eval.dtype=bf16); dtype=bf16; preset=(--preset single-gpu)
+  mode_args=(target_dtype=bf16 optim.mixed_precision=bf16 eval.dtype=bf16); dtype=bf16; preset=(--preset single-gpu)
   families=(eagle eagle3 peagle dflash medusa distill)
 else
-  precision=(); dtype=auto; preset=(); steps=2
+  mode_args=(eval.num_prompts=3 eval.max_new_tokens=16); dtype=auto; preset=(); steps=2
   families=(eagle3)
 fi
 export DRAFTSMITH_VLLM_PYTHON=none  # vLLM is not part of this image; the serve-check runs where it is
@@ -64,7 +66,7 @@ recipe="$out/recipe.yaml"
 echo "{}" > "$recipe"  # everything comes as key=value below
 common=(target="$out/target" output_dir="$out/runs" data.train="$out/target/train.jsonl"
         data.holdout="$out/target/holdout.jsonl" data.max_length=96 optim.batch_size=16 optim.max_steps="$steps"
-        optim.warmup_steps=5 optim.lr=3e-3 eval.num_prompts=12 eval.max_new_tokens=48 eval.k=3 "${precision[@]}")
+        optim.warmup_steps=5 optim.lr=3e-3 eval.num_prompts=12 eval.max_new_tokens=48 eval.k=3 "${mode_args[@]}")  # mode_args last: its keys win
 if [ "$dry" = 1 ]; then
   for f in eagle eagle3 peagle dflash medusa distill; do
     # shellcheck disable=SC2086
