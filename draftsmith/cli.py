@@ -188,9 +188,11 @@ def cmd_compare(args) -> None:
 
 
 def cmd_layerskip(args) -> None:
+    from draftsmith.data.load import load_prompts
     from draftsmith.eval import selfspec
     from draftsmith.models.target import ensure_pad, load_target
 
+    load_prompts(args.data, args.num_prompts)  # a bad holdout fails before any model loads
     target, tok = load_target(args.target, args.dtype)
     ensure_pad(tok)
     choice = selfspec.calibrate(target, tok, args.data, args.k, args.num_prompts, args.max_new_tokens, args.budget)
@@ -239,11 +241,12 @@ def cmd_export(args) -> None:
 
 
 def cmd_publish(args) -> None:
-    from draftsmith.eval.publish import publish
+    from draftsmith.eval.publish import checked_inputs, publish
     from draftsmith.models.common import read_drafter_meta
     from draftsmith.models.target import ensure_pad, load_target
 
     meta = read_drafter_meta(Path(args.drafter))
+    checked_inputs(Path(args.drafter), args.repo_id, args.format, args.force, args.dry_run)  # before any model loads
     target, tok = load_target(args.target or meta["target"])
     ensure_pad(tok)
     out = publish(args.drafter, args.repo_id, target, tok, args.format, args.out, args.private, args.revision,
@@ -275,9 +278,11 @@ def cmd_serve_check(args) -> None:
 
 
 def cmd_regenerate(args) -> None:
+    from draftsmith.data.load import load_prompts
     from draftsmith.data.regenerate import regenerate
     from draftsmith.models.target import ensure_pad, load_target
 
+    load_prompts(args.data, 1)  # bad prompts fail before any model loads or server starts
     if args.engine == "vllm":
         from draftsmith.data.regenerate import regenerate_vllm
         from transformers import AutoTokenizer

@@ -188,12 +188,11 @@ def _forward_words(fwd: dict | None) -> str:
             f"{'' if fwd['passed'] else ' — FAILED: ' + fwd['why']}")
 
 
-def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None = None, out: str | Path | None = None,
-            private: bool = False, revision: str | None = None, dry_run: bool = False, force: bool = False,
-            license: str = "other") -> Path:
+def checked_inputs(drafter_dir: Path, repo_id: str, fmt: str | None, force: bool, dry_run: bool):
+    """Everything `publish` can refuse before a model loads -> (format, the run's eval report or None,
+    the Hub token or None)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    drafter_dir = Path(drafter_dir)
     try:
         validate_repo_id(repo_id)
         if "/" not in repo_id:
@@ -227,6 +226,14 @@ def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None 
         token = get_token()
         if not token:
             raise DraftsmithError("publish: not logged in to the Hugging Face Hub; run `hf auth login` or set HF_TOKEN")
+    return fmt, report, token
+
+
+def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None = None, out: str | Path | None = None,
+            private: bool = False, revision: str | None = None, dry_run: bool = False, force: bool = False,
+            license: str = "other") -> Path:
+    drafter_dir = Path(drafter_dir)
+    fmt, report, token = checked_inputs(drafter_dir, repo_id, fmt, force, dry_run)
     folder = Path(out or drafter_dir.parent / f"publish-{fmt}")
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

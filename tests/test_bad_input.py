@@ -71,3 +71,33 @@ def test_launch_refuses_impossible_counts(flags, message):
     r = subprocess.run(["bash", "launch.sh", "recipes/cpu/eagle-smollm2.yaml", *flags, "--dry-run"], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stdout == "" and r.stderr.strip() == f"launch.sh: error: {message}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["publish", "{run}", "--repo-id", "not a repo id!", "--dry-run"], "not a valid Hub repo id"),
+    (["publish", "{run}", "--repo-id", "me/x", "--format", "hf", "--dry-run"], "a eagle drafter exports to vllm, sglang"),
+    (["eval", "--drafter", "{run}", "--data", "{missing}"], "data file not found"),
+    (["compare", "--drafter", "{run}", "--data", "{missing}", "--out", "{out}"], "data file not found"),
+    (["export", "{run}", "--format", "vllm", "--out", "{out}", "--verify", "--data", "{missing}"], "data file not found"),
+    (["data", "regenerate", "--data", "{missing}", "--out", "{out}"], "data file not found"),
+    (["layerskip", "--data", "{missing}", "--out", "{out}"], "data file not found"),
+])
+def test_commands_check_their_inputs_before_loading_a_model(args, message, tmp_path, capsys, monkeypatch):
+    """A drafter folder whose files are readable metadata only: any model load would fail loudly."""
+    from draftsmith.models import target as target_module
+
+    run = tmp_path / "final"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"drafter": "eagle", "target": "smollm2-135m", "target_fingerprint": "x",
+                                                 "drafter_config": {}, "draftsmith_format": 1}))
+    (run / "model.safetensors").write_bytes(b"")
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "report.json").write_text(json.dumps({"rule_exact": True, "lossless": True}))
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(target_module, "load_target", refuse)
+    fill = {"run": str(run), "missing": str(tmp_path / "missing.jsonl"), "out": str(tmp_path / "out")}
+    assert main([a.format(**fill) for a in args]) == 1
+    assert message in _one_line(capsys)
