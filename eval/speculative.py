@@ -190,13 +190,15 @@ def speculative_decode(target, proposer, prompt: list[int], k: int, max_new: int
     if proposer is not None:
         proposer.reset()
     while len(tokens) - len(prompt) < max_new and tokens[-1] not in eos:
-        ctx = torch.tensor([tokens], device=device)
         if proposer is None or (tree is None and not k):
             draft = Draft()
         else:
+            ctx = torch.tensor([tokens], device=device)
             draft = proposer.propose(ctx, feats, k, sampler) if tree is None else proposer.propose_tree(ctx, feats, tree)
         prefix = len(tokens) - 1  # the target has cached every token but the newest (the root)
-        mask, positions = verification_inputs(draft, prefix, device)
+        # A lone root attends to the whole prefix: no mask needed, the plain one-token decode step,
+        # which target-only decoding (this loop with no drafter) takes too.
+        mask, positions = verification_inputs(draft, prefix, device) if draft.tokens else (None, None)
         new_feats, logits = verification_forward(target, tokens[-1:] + draft.tokens, cache, device, names, mask, positions)
         path, new = verify_tree_greedy(draft, logits[0]) if sampler is None else verify_tree_sampled(draft, logits[0], sampler)
         if stats is not None and sampler is None:

@@ -10,10 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.eval.bench import tiny_target
-# The tokenizer, chat template and pattern data the tests share with scripts/gpu-check.sh.
+# The tokenizer, chat template, pattern data and trained target the tests share with scripts/gpu-check.sh.
 from draftsmith.eval.bench.tiny_target import (CHAT_TEMPLATE, make_tokenizer, pattern_chat,  # noqa: F401
-                                               plain_config, write_pattern_chats)
+                                               plain_config, train_pattern_target, write_pattern_chats)
 
 # Tests that launch 2 processes run one at a time on one pytest-xdist worker (`--dist loadgroup`):
 # two such launches at once put 4 processes on 2 cores, where DeepSpeed's and gloo's waits spin.
@@ -109,7 +108,7 @@ def save_pattern_target(path, steps: int = 160, layers: int = 4, arch: str | Non
     plain tied Llama."""
     tok = make_tokenizer(arch_template(arch) if arch else chat_template)
     cfg = arch_config(arch, len(tok), layers) if arch else plain_config(len(tok), layers)
-    return tiny_target.save_pattern_target(path, cfg, tok, steps)
+    return train_pattern_target(path, cfg, tok, steps)
 
 
 # Tiny random targets with the architectures users train on (models/known.py shrinks their real

@@ -124,7 +124,7 @@ def test_bf16_training_and_eval_on_a_llama31_target_is_rule_exact(arch_targets, 
         "eval.max_new_tokens": 16})
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["dtype"] == "bfloat16" and report["rule_exact"] is True
-    assert "Rule-exact" in (run / "eval" / "report.md").read_text()
+    assert "**the rule** (`rule_exact`: yes)" in (run / "eval" / "report.md").read_text()
 
 
 def test_a_process_group_timeout_must_be_positive():

@@ -57,7 +57,7 @@ def plain_config(vocab: int, layers: int):
                        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
 
 
-def save_pattern_target(path, config, tok, steps: int = 160, device: str = "cpu"):
+def train_pattern_target(path, config, tok, steps: int = 160, device: str = "cpu"):
     """Train a model of `config` on `pattern_chat` for `steps` AdamW steps (batch 16) and save it with
     `tok`. Its chat turns end in <|im_end|>, which generation stops at."""
     torch.manual_seed(0)
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     tok = make_tokenizer()
     out = Path(args.out)
-    save_pattern_target(out, tiny_config(args.arch, len(tok), layers=args.layers, tie_word_embeddings=True), tok,
+    train_pattern_target(out, tiny_config(args.arch, len(tok), layers=args.layers, tie_word_embeddings=True), tok,
                         args.steps, args.device)
     write_pattern_chats(out / "train.jsonl", range(0, 120))
     write_pattern_chats(out / "holdout.jsonl", range(200, 212))  # prompts the target was not trained on
