@@ -234,6 +234,7 @@ def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None 
             license: str = "other") -> Path:
     drafter_dir = Path(drafter_dir)
     fmt, report, token = checked_inputs(drafter_dir, repo_id, fmt, force, dry_run)
+    meta = json.loads((drafter_dir / "config.json").read_text())
     folder = Path(out or drafter_dir.parent / f"publish-{fmt}")
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -259,8 +260,8 @@ def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None 
             shutil.copy(drafter_dir.parent / extra, tmp / extra)
     if report is not None:
         for f in ("report.json", "acceptance.png"):
-            if (report_file.parent / f).is_file():
-                shutil.copy(report_file.parent / f, tmp / f)
+            if (drafter_dir.parent / "eval" / f).is_file():  # the run's own eval, as `checked_inputs` reads it
+                shutil.copy(drafter_dir.parent / "eval" / f, tmp / f)
         (tmp / "README.md").write_text(model_card(meta, report, fmt, repo_id, parity["params"], parity, license, served))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.replace(folder)
