@@ -8,8 +8,14 @@ import datasets
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.data.load import (Malformed, located_records, require_chat_template, to_messages, tokenize_example,
-                                  tokenized_example)
+from draftsmith.data.load import (
+    Malformed,
+    located_records,
+    require_chat_template,
+    to_messages,
+    tokenize_example,
+    tokenized_example,
+)
 
 
 def build_dataset(spec: str, tok, max_length: int, max_examples: int = 0, num_proc: int = 1, split: str = "train",

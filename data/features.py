@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from draftsmith import DraftsmithError
-from draftsmith.data.sharding import Shard
 from draftsmith.data.batching import collate
+from draftsmith.data.sharding import Shard
 
 INDEX = "index.json"
 

@@ -26,8 +26,8 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from draftsmith.data.features import ShardWriter, target_features
-from draftsmith.data.sharding import Shard
 from draftsmith.data.load import encode_prompt, load_prompts, require_chat_template
+from draftsmith.data.sharding import Shard
 from draftsmith.util.kernels import packed_linears
 
 

@@ -121,8 +121,8 @@ def cmd_eval(args) -> None:
     from draftsmith.eval.compare import load_proposer, parse_drafter, trained_folders
     from draftsmith.eval.report import format_table, require_rule_exact
     from draftsmith.eval.run import evaluate, evaluate_drafter
-    from draftsmith.models.registry import load_drafter
     from draftsmith.models.common import read_drafter_meta
+    from draftsmith.models.registry import load_drafter
     from draftsmith.models.target import ensure_pad, fingerprint, load_target
 
     if args.tree:
@@ -284,9 +284,9 @@ def cmd_regenerate(args) -> None:
 
     load_prompts(args.data, 1)  # bad prompts fail before any model loads or server starts
     if args.engine == "vllm":
-        from draftsmith.data.regenerate import regenerate_vllm
         from transformers import AutoTokenizer
 
+        from draftsmith.data.regenerate import regenerate_vllm
         from draftsmith.models.target import resolve_target
 
         where = str(resolve_target(args.target))

@@ -27,8 +27,7 @@ from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
 from draftsmith.eval.speculative import Stats
-from draftsmith.models.common import crop_cache
-from draftsmith.models.common import StudentProposer, resync
+from draftsmith.models.common import StudentProposer, crop_cache, resync
 from draftsmith.models.drafts import Draft
 
 # Counters pooled over every round of every prompt (reset() keeps them, like the engine's Stats).

@@ -14,10 +14,10 @@ import shutil
 from pathlib import Path
 
 from draftsmith import DraftsmithError
-from draftsmith.eval.report import LOSSLESS_NOTE, lossless_cell
 from draftsmith.eval import selfspec
 from draftsmith.eval.cascade import build_cascade, parse_cascade
 from draftsmith.eval.lookahead import HybridProposer, LookaheadProposer
+from draftsmith.eval.report import LOSSLESS_NOTE, lossless_cell
 from draftsmith.eval.run import evaluate, make_baseline, target_baseline
 from draftsmith.eval.speculative import NgramProposer
 from draftsmith.models.registry import load_drafter, target_to_load_on

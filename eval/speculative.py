@@ -17,8 +17,8 @@ from transformers import DynamicCache
 
 from draftsmith.data.features import target_features
 from draftsmith.eval.tree import rule_exact, verification_inputs, verify_tree_greedy, verify_tree_sampled
-from draftsmith.models.drafts import Draft, TreeSpec
 from draftsmith.models.common import keep_cache_positions
+from draftsmith.models.drafts import Draft, TreeSpec
 
 
 @dataclass

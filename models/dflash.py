@@ -32,17 +32,35 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding, repeat_kv,
-                                                      rotate_half)
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    repeat_kv,
+    rotate_half,
+)
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import (Draft, frozen_target, from_exported_head, layer_activation_bytes, llama_dims,
-                                      load_state, mask_token, no_held_out_metrics, single_group,
-                                      target_as_original, target_label_rows, trains_target_never, vllm_method, vllm_snippet,
-                                      write_tensors)
+from draftsmith.models.common import (
+    Draft,
+    from_exported_head,
+    frozen_target,
+    layer_activation_bytes,
+    llama_dims,
+    load_state,
+    mask_token,
+    no_held_out_metrics,
+    single_group,
+    target_as_original,
+    target_label_rows,
+    trains_target_never,
+    vllm_method,
+    vllm_snippet,
+    write_tensors,
+)
 from draftsmith.models.eagle import layer_config
 from draftsmith.models.eagle3 import aux_features, speculators_load_check
-from draftsmith.util.losses import (check_loss, decay_position_weights, dpace_position_weights, TOKEN_LOSSES)
+from draftsmith.util.losses import TOKEN_LOSSES, check_loss, decay_position_weights, dpace_position_weights
 
 NAME = "dflash"
 WEIGHTINGS = ("decay", "dpace", "uniform")

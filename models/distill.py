@@ -28,9 +28,21 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import collate
 from draftsmith.data.features import target_features, unpack_topk
-from draftsmith.models.common import (crop_cache, frozen_target, keep_config, layer_activation_bytes, lora_config,
-                                      no_consumer_check, no_held_out_metrics, single_group, StudentProposer,
-                                      target_as_original, trains_target_never, vllm_method, vllm_snippet)
+from draftsmith.models.common import (
+    StudentProposer,
+    crop_cache,
+    frozen_target,
+    keep_config,
+    layer_activation_bytes,
+    lora_config,
+    no_consumer_check,
+    no_held_out_metrics,
+    single_group,
+    target_as_original,
+    trains_target_never,
+    vllm_method,
+    vllm_snippet,
+)
 from draftsmith.util.losses import DIVERGENCES, expected_acceptance
 
 NAME = "distill"

@@ -21,10 +21,25 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from draftsmith.models.common import (FeatureProposer, from_exported_head, frozen_target, keep_config,
-                                      layer_activation_bytes, llama_dims, load_state, no_consumer_check,
-                                      no_held_out_metrics, renamed, single_group, target_as_original,
-                                      trains_target_never, ttt_mask, vllm_method, vllm_snippet, write_tensors)
+from draftsmith.models.common import (
+    FeatureProposer,
+    from_exported_head,
+    frozen_target,
+    keep_config,
+    layer_activation_bytes,
+    llama_dims,
+    load_state,
+    no_consumer_check,
+    no_held_out_metrics,
+    renamed,
+    single_group,
+    target_as_original,
+    trains_target_never,
+    ttt_mask,
+    vllm_method,
+    vllm_snippet,
+    write_tensors,
+)
 from draftsmith.util.losses import smooth_l1_feature_loss, soft_cross_entropy, topk_distillation_loss
 
 NAME = "eagle"

@@ -29,12 +29,28 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from draftsmith import DraftsmithError
 from draftsmith.data.features import target_features
-from draftsmith.models.common import (causal_mask, draft_vocab, FeatureProposer, from_exported_head, frozen_target,
-                                      llama_dims, load_state, logit_diff, no_held_out_metrics, renamed, single_group,
-                                      target_as_original, target_label_rows, trains_target_never, ttt_mask,
-                                      vllm_method, vllm_snippet, write_tensors)
+from draftsmith.models.common import (
+    FeatureProposer,
+    causal_mask,
+    draft_vocab,
+    from_exported_head,
+    frozen_target,
+    llama_dims,
+    load_state,
+    logit_diff,
+    no_held_out_metrics,
+    renamed,
+    single_group,
+    target_as_original,
+    target_label_rows,
+    trains_target_never,
+    ttt_mask,
+    vllm_method,
+    vllm_snippet,
+    write_tensors,
+)
 from draftsmith.models.eagle import layer_config, sglang_snippet, unroll_activation_bytes
-from draftsmith.util.losses import check_loss, TOKEN_LOSSES, topk_distillation_loss
+from draftsmith.util.losses import TOKEN_LOSSES, check_loss, topk_distillation_loss
 
 NAME = "eagle3"
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from draftsmith import DraftsmithError
 
+
 def export(drafter_dir: str | Path, target, fmt: str, out: str | Path, tok=None) -> Path:
     """Write `out/` in format `fmt` through the family's writer (`EXPORTS[fmt]`): into a temp folder,
     renamed into place when complete. `tok`: the target's tokenizer, for formats that ship one (a

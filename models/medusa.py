@@ -35,9 +35,17 @@ import torch
 from torch import nn
 
 from draftsmith import DraftsmithError
+from draftsmith.models.common import (
+    draft_vocab,
+    keep_config,
+    layer_activation_bytes,
+    load_state,
+    lora_config,
+    no_consumer_check,
+    vllm_snippet,
+    write_tensors,
+)
 from draftsmith.models.drafts import Draft
-from draftsmith.models.common import (draft_vocab, keep_config, layer_activation_bytes, load_state, lora_config,
-                                      no_consumer_check, vllm_snippet, write_tensors)
 from draftsmith.util.losses import forward_kl, soft_cross_entropy
 
 NAME = "medusa"

@@ -29,14 +29,33 @@ from torch import nn
 from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import (causal_mask, crop_cache, Draft, frozen_target, from_exported_head, load_state,
-                                      mask_token, no_held_out_metrics, renamed, single_group, target_as_original,
-                                      trains_target_never)
+from draftsmith.models.common import (
+    Draft,
+    causal_mask,
+    crop_cache,
+    from_exported_head,
+    frozen_target,
+    load_state,
+    mask_token,
+    no_held_out_metrics,
+    renamed,
+    single_group,
+    target_as_original,
+    trains_target_never,
+)
 from draftsmith.models.eagle import unroll_activation_bytes
-from draftsmith.models.eagle3 import (aux_features, aux_layers, build as build_eagle3, Eagle3Drafter,
-                                      exported_aux_layers, feature_names, speculators_load_check, teacher_rows,
-                                      write_speculators)
-from draftsmith.util.losses import check_loss, TOKEN_LOSSES
+from draftsmith.models.eagle3 import (
+    Eagle3Drafter,
+    aux_features,
+    aux_layers,
+    exported_aux_layers,
+    feature_names,
+    speculators_load_check,
+    teacher_rows,
+    write_speculators,
+)
+from draftsmith.models.eagle3 import build as build_eagle3
+from draftsmith.util.losses import TOKEN_LOSSES, check_loss
 
 NAME = "peagle"
 

@@ -11,8 +11,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 # The tokenizer, chat template, pattern data and trained target the tests share with scripts/gpu-check.sh.
-from draftsmith.eval.bench.tiny_target import (CHAT_TEMPLATE, make_tokenizer, pattern_chat,  # noqa: F401
-                                               plain_config, train_pattern_target, write_pattern_chats)
+from draftsmith.eval.bench.tiny_target import (  # noqa: F401
+    CHAT_TEMPLATE,
+    make_tokenizer,
+    pattern_chat,
+    plain_config,
+    train_pattern_target,
+    write_pattern_chats,
+)
 
 # Tests that launch 2 processes run one at a time on one pytest-xdist worker (`--dist loadgroup`):
 # two such launches at once put 4 processes on 2 cores, where DeepSpeed's and gloo's waits spin.

@@ -12,7 +12,7 @@ from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculati
 from draftsmith.models import eagle
 from draftsmith.models.distill import StudentProposer
 from tests.conftest import make_target, make_tokenizer
-from tests.test_sampling import N, PROMPT, AcceptAll, _collect, _reference, chi_square_p
+from tests.test_sampling import PROMPT, AcceptAll, N, _collect, _reference, chi_square_p
 
 TEXTS = ["abcabcabcabc say 9", "def f(x): return x\ndef f(y): return"]
 

@@ -8,11 +8,11 @@ from safetensors.torch import load_file
 
 from draftsmith import DraftsmithError
 from draftsmith.cli import main
-from draftsmith.models.registry import load_drafter
 from draftsmith.eval.speculative import Stats, speculative_greedy
 from draftsmith.models import distill, eagle, eagle3, medusa
 from draftsmith.models.common import save_drafter
 from draftsmith.models.export import export, import_export
+from draftsmith.models.registry import load_drafter
 from draftsmith.models.target import fingerprint
 from tests.conftest import lossless_ok
 

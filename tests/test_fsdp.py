@@ -15,7 +15,6 @@ import pytest
 from draftsmith import DraftsmithError
 from draftsmith.train.config import load_config, resolve_precision
 from draftsmith.train.loop import make_accelerator
-
 from tests.conftest import MULTIPROCESS, lossless_ok
 
 pytestmark = MULTIPROCESS
@@ -51,9 +50,9 @@ def test_the_fsdp_preset_on_cpus_is_a_one_line_error(monkeypatch):
 
 
 def test_training_under_fsdp_matches_one_process_and_resumes(tiny_target_dir, tmp_path):
+    from draftsmith.train.loop import train
     from tests.test_deepspeed import STEPS, _same
     from tests.test_train import _overrides, _weights
-    from draftsmith.train.loop import train
 
     rows = [{"messages": [{"role": "user", "content": f"say {i}"},
                           {"role": "assistant", "content": "".join(chr(97 + (i * 7 + j) % 26) for j in range(20 + i % 13))}]}

@@ -1,7 +1,12 @@
 import torch
 
-from draftsmith.util.losses import (expected_acceptance, forward_kl, smooth_l1_feature_loss, soft_cross_entropy,
-                                     topk_distillation_loss)
+from draftsmith.util.losses import (
+    expected_acceptance,
+    forward_kl,
+    smooth_l1_feature_loss,
+    soft_cross_entropy,
+    topk_distillation_loss,
+)
 
 
 def test_identical_distributions_have_zero_divergence_and_full_acceptance():
@@ -124,6 +129,7 @@ def test_every_token_loss_is_minimal_at_the_target_and_an_unknown_name_lists_the
         assert at_target <= fn(logits + torch.randn(5, 40), logits, mask), name
         assert fn(logits, logits, torch.zeros(5)) == 0, name
     import pytest
+
     from draftsmith import DraftsmithError
 
     with pytest.raises(DraftsmithError, match=r"drafter.loss: unknown loss 'kl' \(valid: ce, tvd, nla, lk_hybrid\)"):

@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 
 from draftsmith import DraftsmithError
 from draftsmith.eval.speculative import Stats, speculative_decode, target_decode
-from draftsmith.models.drafts import parse_tree
 from draftsmith.models import medusa
 from draftsmith.models.common import save_drafter
+from draftsmith.models.drafts import parse_tree
 from draftsmith.models.target import fingerprint
 from tests.conftest import lossless_ok
 

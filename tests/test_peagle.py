@@ -11,7 +11,6 @@ from draftsmith.data.features import target_features
 from draftsmith.eval.speculative import Stats, speculative_greedy, target_greedy
 from draftsmith.models import peagle
 
-
 VOCAB_DATA = {"input_ids": [list(range(5, 90))], "loss_mask": [[1] * 85]}  # every token, for the draft vocabulary
 
 

@@ -8,8 +8,8 @@ import torch
 import yaml
 
 from draftsmith import DraftsmithError
-from draftsmith.util import precision
 from draftsmith.train.config import load_config, resolve_precision
+from draftsmith.util import precision
 
 
 @pytest.fixture

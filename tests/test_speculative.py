@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from draftsmith.models.drafts import Draft
 from draftsmith.eval.speculative import NgramProposer, Stats, speculative_greedy, target_greedy
 from draftsmith.models import eagle
+from draftsmith.models.drafts import Draft
 
 
 class OracleProposer:

@@ -10,9 +10,9 @@ from draftsmith import DraftsmithError
 from draftsmith.data.features import target_features
 from draftsmith.eval.speculative import Sampler, Stats, speculative_decode, target_greedy
 from draftsmith.eval.tree import verification_inputs
-from draftsmith.models.drafts import Draft, grow_tree, parse_tree
 from draftsmith.models import eagle, eagle3
-from tests.test_sampling import N, PROMPT, AcceptAll, _collect, _reference, chi_square_p
+from draftsmith.models.drafts import Draft, grow_tree, parse_tree
+from tests.test_sampling import PROMPT, AcceptAll, N, _collect, _reference, chi_square_p
 
 
 def _logits(target, ids, **kw):

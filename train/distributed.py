@@ -16,7 +16,6 @@ from draftsmith import DraftsmithError
 from draftsmith.train.config import Config
 from draftsmith.util.precision import ACCELERATE, TORCH
 
-
 # --- DeepSpeed ------------------------------------------------------------------------------------
 # accelerate runs DeepSpeed for `accelerate launch --config_file recipes/accelerate/zero{2,3}.yaml`
 # (env ACCELERATE_USE_DEEPSPEED) or when given a DeepSpeedPlugin (the recipe's `deepspeed:` key, for

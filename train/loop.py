@@ -24,25 +24,38 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, set_seed
-from tqdm import tqdm
 from torch.optim.lr_scheduler import LambdaLR
-from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+from tqdm import tqdm
+from transformers import (
+    get_constant_schedule_with_warmup,
+    get_cosine_schedule_with_warmup,
+    get_linear_schedule_with_warmup,
+)
 
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import build_dataset, collate, epoch_batches
 from draftsmith.data.features import FeatureCache, target_features, write_cache
-from draftsmith.models.export import init_weights, read_config
-from draftsmith.models.registry import drafter_module, load_drafter, target_to_load_on
 from draftsmith.data.regenerate import cached_regeneration, regeneration_path
 from draftsmith.data.sharding import Shard
+
 # Imported with the loop, not at the eval stage: the eval runs the code the training run started with.
 from draftsmith.eval.report import format_table, require_rule_exact, write_before_after
 from draftsmith.eval.run import evaluate_drafter
+from draftsmith.models.export import init_weights, read_config
+from draftsmith.models.registry import drafter_module, load_drafter, target_to_load_on
 from draftsmith.models.target import cache_root, ensure_pad, fingerprint, load_target
 from draftsmith.train import checkpoint
 from draftsmith.train.config import Config, drafter_config, resolve_precision
-from draftsmith.train.distributed import (autocast, deepspeed_backward, fill_deepspeed_config, fits_whole,
-                                          fsdp_shard_target, make_accelerator, shard_target, whole_weights)
+from draftsmith.train.distributed import (
+    autocast,
+    deepspeed_backward,
+    fill_deepspeed_config,
+    fits_whole,
+    fsdp_shard_target,
+    make_accelerator,
+    shard_target,
+    whole_weights,
+)
 from draftsmith.util.parse import save_yaml, to_dict
 from draftsmith.util.precision import describe, hardware
 

@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM
 from draftsmith import DraftsmithError
 from draftsmith.models.known import model_config
 from draftsmith.models.registry import drafter_module
-from draftsmith.util import precision
 from draftsmith.train.config import Config, drafter_config
+from draftsmith.util import precision
 
 # Which of (target weights, drafter weights, gradients, optimizer state) each preset shards over the
 # ranks, and which it moves to CPU RAM. ZeRO-3 shards the frozen target too (train/distributed.py

@@ -13,7 +13,6 @@ bfloat16; fp16 / float16 (CUDA only). YAML reads a bare `no` or `false` as a boo
 from __future__ import annotations
 
 import argparse
-
 import functools
 import os
 import platform

@@ -37,9 +37,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from draftsmith.data.features import target_features
 from draftsmith.models.registry import drafter_module
 from draftsmith.models.target import freeze, load_target
-from draftsmith.util import precision
 from draftsmith.train.config import Config, drafter_config, load_config, resolve_precision
 from draftsmith.train.plan import per_rank, sizes, target_bytes
+from draftsmith.util import precision
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[2]

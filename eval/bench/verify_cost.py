@@ -18,8 +18,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from draftsmith.util.kernels import packed_linears
 from draftsmith.models.target import load_target
+from draftsmith.util.kernels import packed_linears
 from draftsmith.util.precision import describe, dtype_arg, hardware
 
 
