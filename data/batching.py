@@ -18,8 +18,15 @@ from draftsmith.data.load import (
 )
 
 
-def build_dataset(spec: str, tok, max_length: int, max_examples: int = 0, num_proc: int = 1, split: str = "train",
-                  malformed: str = "skip") -> datasets.Dataset:
+def build_dataset(
+    spec: str,
+    tok,
+    max_length: int,
+    max_examples: int = 0,
+    num_proc: int = 1,
+    split: str = "train",
+    malformed: str = "skip",
+) -> datasets.Dataset:
     """Records -> datasets.Dataset with input_ids, loss_mask, length, idx (the record's number).
     `split`: of a dataset folder or hub dataset (read_records). Malformed records are skipped with
     one summary line (malformed="skip"; all of them malformed is an error) or stop the build at the
@@ -41,9 +48,13 @@ def build_dataset(spec: str, tok, max_length: int, max_examples: int = 0, num_pr
         require_chat_template(tok, spec)  # once for the data, not as a reason to refuse each record
     # Formats were validated above (file:line errors); tokenize through datasets.map. A record its
     # template cannot mask (tokenize_example) comes back with the reason, refused below in order.
-    ds = datasets.Dataset.from_dict({
-        "item": [i if isinstance(i, list) else [{"role": "text", "content": i}] for _, _, i in items],
-        "where": [where for _, where, _ in items], "idx": [n for n, _, _ in items]})
+    ds = datasets.Dataset.from_dict(
+        {
+            "item": [i if isinstance(i, list) else [{"role": "text", "content": i}] for _, _, i in items],
+            "where": [where for _, where, _ in items],
+            "idx": [n for n, _, _ in items],
+        }
+    )
 
     def encode(ex):
         item = ex["item"]
@@ -65,7 +76,9 @@ def build_dataset(spec: str, tok, max_length: int, max_examples: int = 0, num_pr
 def _filter(ds: datasets.Dataset, spec: str) -> datasets.Dataset:
     ds = ds.filter(lambda ex: sum(ex["loss_mask"]) > 2)
     if len(ds) == 0:
-        raise DraftsmithError(f"{spec}: no examples left after filtering (need assistant tokens within data.max_length)")
+        raise DraftsmithError(
+            f"{spec}: no examples left after filtering (need assistant tokens within data.max_length)"
+        )
     return ds
 
 
@@ -80,9 +93,10 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, gr
     rng.shuffle(order)
     if group_by_length:
         window = batch_size * 50
-        order = [i for s in range(0, len(order), window)
-                 for i in sorted(order[s:s + window], key=lambda i: -lengths[i])]
-    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+        order = [
+            i for s in range(0, len(order), window) for i in sorted(order[s : s + window], key=lambda i: -lengths[i])
+        ]
+    batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
     if group_by_length:
         rng.shuffle(batches)
     return batches

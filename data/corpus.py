@@ -54,9 +54,9 @@ def _segment(lines: list[str], node) -> str:
     whole file on every call, which made reading the corpus take 80 s instead of 3."""
     first, last = node.lineno - 1, node.end_lineno - 1
     if first == last:
-        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
-    head = lines[first].encode()[node.col_offset:].decode()  # col offsets count UTF-8 bytes
-    return "".join([head, *lines[first + 1:last], lines[last].encode()[:node.end_col_offset].decode()])
+        return lines[first].encode()[node.col_offset : node.end_col_offset].decode()
+    head = lines[first].encode()[node.col_offset :].decode()  # col offsets count UTF-8 bytes
+    return "".join([head, *lines[first + 1 : last], lines[last].encode()[: node.end_col_offset].decode()])
 
 
 def _functions(path: Path, root: Path):
@@ -101,8 +101,13 @@ def prose_records(holdout: bool) -> list[dict]:
         if _is_holdout(key) != holdout:
             continue
         text = topics[key].strip()
-        rows.append({"prompt": f"Explain the Python language topic '{key}'.",
-                     "completion": text[:2000], "source": f"pydoc_data.topics:{key}"})
+        rows.append(
+            {
+                "prompt": f"Explain the Python language topic '{key}'.",
+                "completion": text[:2000],
+                "source": f"pydoc_data.topics:{key}",
+            }
+        )
     return rows
 
 
@@ -132,13 +137,25 @@ def _first_sentence(text: str) -> str:
 
 
 def summarise_records(holdout: bool) -> list[dict]:
-    return [{"prompt": f"Summarise this description of the Python `{m}` module in two sentences.\n\n{doc}",
-             "completion": _first_sentence(doc), "source": f"{m}:summary"} for m, doc in _module_docstrings(holdout)]
+    return [
+        {
+            "prompt": f"Summarise this description of the Python `{m}` module in two sentences.\n\n{doc}",
+            "completion": _first_sentence(doc),
+            "source": f"{m}:summary",
+        }
+        for m, doc in _module_docstrings(holdout)
+    ]
 
 
 def chat_records(holdout: bool) -> list[dict]:
-    return [{"prompt": f"I keep seeing `import {m}` in Python code. What is it for, and when would I use it?",
-             "completion": doc, "source": f"{m}:chat"} for m, doc in _module_docstrings(holdout)]
+    return [
+        {
+            "prompt": f"I keep seeing `import {m}` in Python code. What is it for, and when would I use it?",
+            "completion": doc,
+            "source": f"{m}:chat",
+        }
+        for m, doc in _module_docstrings(holdout)
+    ]
 
 
 def translate_records(holdout: bool) -> list[dict]:
@@ -149,21 +166,35 @@ def translate_records(holdout: bool) -> list[dict]:
         if _is_holdout(key) != holdout:
             continue
         # Prose paragraphs only: code and grammar blocks are indented, headings are underlined.
-        paragraphs = [p for p in topics[key].split("\n\n") if p[:1].isalpha() and not set(p.splitlines()[-1]) <= set("*=-")]
+        paragraphs = [
+            p for p in topics[key].split("\n\n") if p[:1].isalpha() and not set(p.splitlines()[-1]) <= set("*=-")
+        ]
         sentences = [s for s in map(_first_sentence, paragraphs) if 40 <= len(s) <= 300][:3]
         for i, sentence in enumerate(sentences):
             language = languages[zlib.crc32(f"{key}{i}".encode()) % len(languages)]
-            rows.append({"prompt": f"Translate into {language}: {sentence}", "completion": sentence,
-                         "source": f"pydoc_data.topics:{key}:translate{i}"})
+            rows.append(
+                {
+                    "prompt": f"Translate into {language}: {sentence}",
+                    "completion": sentence,
+                    "source": f"pydoc_data.topics:{key}:translate{i}",
+                }
+            )
     return rows
 
 
 def builtin_corpus(name: str) -> list[dict]:
     if name not in NAMES:
-        raise DraftsmithError(f"builtin:{name}: unknown built-in corpus (choose from {', '.join('builtin:' + n for n in NAMES)})")
+        raise DraftsmithError(
+            f"builtin:{name}: unknown built-in corpus (choose from {', '.join('builtin:' + n for n in NAMES)})"
+        )
     kind, _, split = name.partition("-")
-    records = {"code": code_records, "prose": prose_records, "summarise": summarise_records,
-               "translate": translate_records, "chat": chat_records}[kind]
+    records = {
+        "code": code_records,
+        "prose": prose_records,
+        "summarise": summarise_records,
+        "translate": translate_records,
+        "chat": chat_records,
+    }[kind]
     rows = records(holdout=split == "holdout")
     # Deterministic order that interleaves modules, so `max_examples` keeps a varied subset.
     return sorted(rows, key=lambda r: zlib.crc32(r["source"].encode()))

@@ -10,8 +10,16 @@ from pathlib import Path
 
 from draftsmith import DraftsmithError
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+}
 # What transformers looks for to track assistant spans (`return_assistant_tokens_mask`).
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -85,8 +93,10 @@ def _load_dataset(spec: str, split: str):
         # often have no `train` split (ultrachat_200k: train_sft / test_sft).
         known = re.search(r"Unknown split .*Should be one of \[(.*)\]", str(e))
         if known:
-            raise DraftsmithError(f"{spec}: no split {split!r} (data.split / data.holdout_split); its splits are "
-                                  f"{known.group(1).replace(chr(39), '')}") from None
+            raise DraftsmithError(
+                f"{spec}: no split {split!r} (data.split / data.holdout_split); its splits are "
+                f"{known.group(1).replace(chr(39), '')}"
+            ) from None
         raise DraftsmithError(f"{spec}: cannot load data ({str(e).splitlines()[0]})") from None
 
 
@@ -145,10 +155,17 @@ def to_messages(row: dict, where: str) -> list[dict] | str:
     row = {k: v for k, v in row.items() if v is not None}
     if "messages" in row:
         msgs = row["messages"]
-        if not msgs or not isinstance(msgs, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
-            raise DraftsmithError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings, "
-                                  f"got {_brief(msgs)}")
+        if (
+            not msgs
+            or not isinstance(msgs, list)
+            or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs
+            )
+        ):
+            raise DraftsmithError(
+                f"{where}: 'messages' must be a non-empty list of {{role, content}} strings, got {_brief(msgs)}"
+            )
         bad = next((m["role"] for m in msgs if m["role"] not in CHAT_ROLES), None)
         if bad is not None:  # a template would render any role it is given; the target was never trained on it
             raise DraftsmithError(f"{where}: 'messages' role must be one of {', '.join(CHAT_ROLES)}, got {_brief(bad)}")
@@ -156,7 +173,9 @@ def to_messages(row: dict, where: str) -> list[dict] | str:
     if "conversations" in row:
         turns = row["conversations"]
         if not turns or not isinstance(turns, list):
-            raise DraftsmithError(f"{where}: 'conversations' must be a non-empty list of ShareGPT turns, got {_brief(turns)}")
+            raise DraftsmithError(
+                f"{where}: 'conversations' must be a non-empty list of ShareGPT turns, got {_brief(turns)}"
+            )
         return [_sharegpt_turn(m, where) for m in turns]
     if "prompt" in row:
         if not isinstance(row["prompt"], str) or not isinstance(row.get("completion", ""), str):
@@ -167,7 +186,9 @@ def to_messages(row: dict, where: str) -> list[dict] | str:
         return msgs
     if "text" in row:
         return str(row["text"])
-    raise DraftsmithError(f"{where}: expected one of 'messages', 'conversations', 'prompt'(+'completion') or 'text', got keys {sorted(row)}")
+    raise DraftsmithError(
+        f"{where}: expected one of 'messages', 'conversations', 'prompt'(+'completion') or 'text', got keys {sorted(row)}"
+    )
 
 
 def prompt_messages(msgs: list[dict]) -> list[dict]:
@@ -234,8 +255,9 @@ def tokenize_example(tok, item: list[dict] | str, max_length: int, where: str) -
             raise DraftsmithError(
                 f"{where}: the chat template renders turn {i} (assistant) differently once later turns follow, "
                 "so its loss mask cannot be found from prefix renderings; a chat template with "
-                "{% generation %} markers avoids this")
-        mask[len(before):len(through)] = [1] * (len(through) - len(before))
+                "{% generation %} markers avoids this"
+            )
+        mask[len(before) : len(through)] = [1] * (len(through) - len(before))
     return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
 
 
@@ -263,8 +285,9 @@ def encode_record(tok, row: dict, max_length: int, where: str) -> tuple[dict, st
     return tokenize_example(tok, item, max_length, where), mask_method(tok)
 
 
-def load_prompts(spec: str, max_prompts: int = 0, split: str = "train",
-                 malformed: str = "skip") -> list[list[dict] | str]:
+def load_prompts(
+    spec: str, max_prompts: int = 0, split: str = "train", malformed: str = "skip"
+) -> list[list[dict] | str]:
     """Prompts of a holdout: chat records lose their last assistant turn; text records are kept.
     Malformed records are skipped with one summary line, or with malformed="error" stop at the first."""
     refused, out, read = Malformed(spec, malformed), [], 0

@@ -39,8 +39,16 @@ def eos_ids(target, tok) -> set[int]:
 
 
 @torch.no_grad()
-def answer_batch(target, prompts: list[list[int]], max_new_tokens: int, eos: set[int], pad_id: int,
-                 names: tuple[str, ...] = (), temperature: float = 0.0, generator=None):
+def answer_batch(
+    target,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos: set[int],
+    pad_id: int,
+    names: tuple[str, ...] = (),
+    temperature: float = 0.0,
+    generator=None,
+):
     """Answer a batch of tokenized prompts; capture the `names` features of every token fed.
 
     Returns, per prompt, (completion_ids, {name: [len(prompt) + len(completion), H]}): the answer
@@ -52,17 +60,21 @@ def answer_batch(target, prompts: list[list[int]], max_new_tokens: int, eos: set
     feed = torch.full((bsz, width), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros(bsz, width, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
-        feed[b, width - len(p):] = torch.tensor(p, device=device)
-        mask[b, width - len(p):] = 1
+        feed[b, width - len(p) :] = torch.tensor(p, device=device)
+        mask[b, width - len(p) :] = 1
     real = mask.bool()  # which fed columns belong to a row's sequence (not padding, not past its end)
     cache, answers = DynamicCache(), [[] for _ in prompts]
     kept = [{n: [] for n in names} for _ in prompts]
     open_rows = set(range(bsz))  # rows still choosing tokens
     while True:
         # Positions count real tokens only, as if each row had been fed unpadded.
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -feed.shape[1]:]
-        feats = target_features(target, {"input_ids": feed, "attention_mask": mask, "position_ids": pos},
-                                tuple(dict.fromkeys(names + ("last_hidden",))), cache)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -feed.shape[1] :]
+        feats = target_features(
+            target,
+            {"input_ids": feed, "attention_mask": mask, "position_ids": pos},
+            tuple(dict.fromkeys(names + ("last_hidden",))),
+            cache,
+        )
         for b in range(bsz):
             for n in names:
                 kept[b][n].append(feats[n][b, real[b]])
@@ -100,10 +112,23 @@ def _done_ids(partial: Path, own: bool = True) -> set[int]:
     return done
 
 
-def regenerate(target, tok, data: str, out: Path, batch_size: int = 8, max_new_tokens: int = 128,
-               temperature: float = 0.0, max_examples: int = 0, seed: int = 0, names: tuple[str, ...] = (),
-               features_out: Path | None = None, fingerprint: str = "", shard: Shard = Shard(),
-               split: str = "train", malformed: str = "skip") -> Path:
+def regenerate(
+    target,
+    tok,
+    data: str,
+    out: Path,
+    batch_size: int = 8,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    max_examples: int = 0,
+    seed: int = 0,
+    names: tuple[str, ...] = (),
+    features_out: Path | None = None,
+    fingerprint: str = "",
+    shard: Shard = Shard(),
+    split: str = "train",
+    malformed: str = "skip",
+) -> Path:
     """Answer every prompt of `data`; write records (messages + exact ids) to `out` and, with
     `names`, the target features of every token to `features_out` (data/features.py format).
 
@@ -118,20 +143,24 @@ def regenerate(target, tok, data: str, out: Path, batch_size: int = 8, max_new_t
     shard.barrier()
     done = set().union(*(_done_ids(f, own=False) for f in _partials(out)))
     shard.barrier()
-    writer = ShardWriter(features_out, names, fingerprint, target.config.hidden_size, resume=True,
-                         prefix=f"r{shard.rank}-") if names else None
+    writer = (
+        ShardWriter(features_out, names, fingerprint, target.config.hidden_size, resume=True, prefix=f"r{shard.rank}-")
+        if names
+        else None
+    )
     ids = {i: encode_prompt(tok, p) for i, p in enumerate(prompts) if i not in done}
     # Longest first, so each batch holds prompts of similar length (little padding to compute).
     todo = sorted(ids, key=lambda i: -len(ids[i]))
-    batches = shard.mine([todo[s:s + batch_size] for s in range(0, len(todo), batch_size)])
+    batches = shard.mine([todo[s : s + batch_size] for s in range(0, len(todo), batch_size)])
     generator = torch.Generator(device=next(target.parameters()).device).manual_seed(seed + shard.rank)
     eos = eos_ids(target, tok)
     # Prepacked fp32 CPU linears (draftsmith/util/kernels.py): decode steps feed [B, 1], a small-batch matmul
     # that torch's default kernel runs several times slower here.
     with open(partial, "a") as f, packed_linears(target):
         for batch in tqdm(batches, desc="regenerate", disable=not shard.main):
-            results = answer_batch(target, [ids[i] for i in batch], max_new_tokens, eos, tok.pad_token_id,
-                                   names, temperature, generator)
+            results = answer_batch(
+                target, [ids[i] for i in batch], max_new_tokens, eos, tok.pad_token_id, names, temperature, generator
+            )
             if writer:  # features first: a record is only ever written once its features are on disk
                 writer.write_shard({i: feats for i, (_, feats) in zip(batch, results)})
             for i, (answer, _) in zip(batch, results):
@@ -148,8 +177,10 @@ def _prompts(tok, data: str, max_examples: int, split: str = "train", malformed:
     """The prompt messages of every record (their answers, if any, are what regeneration replaces);
     `split` and `malformed` as in `load_prompts`."""
     require_chat_template(tok, "data regenerate")
-    return [[{"role": "user", "content": p}] if isinstance(p, str) else p
-            for p in load_prompts(data, max_examples, split, malformed)]
+    return [
+        [{"role": "user", "content": p}] if isinstance(p, str) else p
+        for p in load_prompts(data, max_examples, split, malformed)
+    ]
 
 
 def _partial(out: Path, rank: int = 0) -> Path:
@@ -166,8 +197,14 @@ def _partials(out: Path) -> list[Path]:
 def _record(tok, i: int, prompt: list[dict], prompt_ids: list[int], answer: list[int]) -> str:
     """One jsonl line: the exact ids (what training tokenizes), and the decoded answer for reading."""
     text = tok.decode(answer, skip_special_tokens=True).strip()
-    return json.dumps({"id": i, "messages": prompt + [{"role": "assistant", "content": text}],
-                       "prompt_ids": prompt_ids, "completion_ids": answer})
+    return json.dumps(
+        {
+            "id": i,
+            "messages": prompt + [{"role": "assistant", "content": text}],
+            "prompt_ids": prompt_ids,
+            "completion_ids": answer,
+        }
+    )
 
 
 def _finish(out: Path, writer=None) -> Path:
@@ -183,10 +220,24 @@ def _finish(out: Path, writer=None) -> Path:
     return out
 
 
-def regenerate_vllm(target: str, tok, data: str, out: Path, max_new_tokens: int = 128, temperature: float = 0.0,
-                    top_p: float = 1.0, max_examples: int = 0, concurrency: int = 16, seed: int = 0,
-                    server: str | None = None, python: str | None = None, dtype: str = "auto",
-                    extra: tuple[str, ...] = (), split: str = "train", malformed: str = "skip") -> Path:
+def regenerate_vllm(
+    target: str,
+    tok,
+    data: str,
+    out: Path,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    max_examples: int = 0,
+    concurrency: int = 16,
+    seed: int = 0,
+    server: str | None = None,
+    python: str | None = None,
+    dtype: str = "auto",
+    extra: tuple[str, ...] = (),
+    split: str = "train",
+    malformed: str = "skip",
+) -> Path:
     """`--engine vllm`: the target (a folder or hub id vLLM resolves) answers every prompt of `data`
     through a vLLM server (started here, or `server`), `concurrency` requests in flight. Prompts go
     as token ids and answers come back as token ids, stored unchanged in `completion_ids`. Resumable
@@ -204,14 +255,21 @@ def regenerate_vllm(target: str, tok, data: str, out: Path, max_new_tokens: int 
     # vLLM's own names for the precision draftsmith resolved from the hardware (auto -> bf16 or fp32).
     name = str(torch_dtype(dtype, "--dtype")).removeprefix("torch.")
     lock = threading.Lock()
-    with vllm_server.serve(target, url=server, python=python, dtype=name, max_model_len=-(-need // 256) * 256,
-                           extra=extra) as engine, open(partial, "a") as f:
+    with (
+        vllm_server.serve(
+            target, url=server, python=python, dtype=name, max_model_len=-(-need // 256) * 256, extra=extra
+        ) as engine,
+        open(partial, "a") as f,
+    ):
+
         def answer(i: int) -> None:
-            got = vllm_server.complete(engine, ids[i], max_new_tokens, temperature, top_p,
-                                       seed=seed + i if temperature > 0 else None)
+            got = vllm_server.complete(
+                engine, ids[i], max_new_tokens, temperature, top_p, seed=seed + i if temperature > 0 else None
+            )
             with lock:  # whole lines only, so an interruption never leaves half a record
                 f.write(_record(tok, i, prompts[i], ids[i], got) + "\n")
                 f.flush()
+
         pool = ThreadPoolExecutor(max_workers=concurrency)
         try:
             for _ in tqdm(pool.map(answer, sorted(ids)), total=len(ids), desc="regenerate (vLLM)"):
@@ -221,9 +279,20 @@ def regenerate_vllm(target: str, tok, data: str, out: Path, max_new_tokens: int 
     return _finish(out)
 
 
-def regeneration_path(target, tok, data: str, fingerprint: str, cache_dir: Path, max_examples: int,
-                      max_new_tokens: int, batch_size: int = 0, names: tuple[str, ...] = (),
-                      vllm: dict | None = None, split: str = "train", malformed: str = "skip") -> Path:
+def regeneration_path(
+    target,
+    tok,
+    data: str,
+    fingerprint: str,
+    cache_dir: Path,
+    max_examples: int,
+    max_new_tokens: int,
+    batch_size: int = 0,
+    names: tuple[str, ...] = (),
+    vllm: dict | None = None,
+    split: str = "train",
+    malformed: str = "skip",
+) -> Path:
     """Where `cached_regeneration` keeps the answers for these arguments (one file per target, data,
     split, size and engine settings)."""
     what = [fingerprint, data, max_examples, max_new_tokens, 2] + ([split] if split != "train" else [])
@@ -233,22 +302,43 @@ def regeneration_path(target, tok, data: str, fingerprint: str, cache_dir: Path,
     return Path(cache_dir) / "regenerated" / f"{key}.jsonl"
 
 
-def cached_regeneration(target, tok, data: str, fingerprint: str, cache_dir: Path, max_examples: int,
-                        max_new_tokens: int, batch_size: int, names: tuple[str, ...] = (),
-                        vllm: dict | None = None, shard: Shard = Shard(), split: str = "train",
-                        malformed: str = "skip") -> tuple[Path, Path | None]:
+def cached_regeneration(
+    target,
+    tok,
+    data: str,
+    fingerprint: str,
+    cache_dir: Path,
+    max_examples: int,
+    max_new_tokens: int,
+    batch_size: int,
+    names: tuple[str, ...] = (),
+    vllm: dict | None = None,
+    shard: Shard = Shard(),
+    split: str = "train",
+    malformed: str = "skip",
+) -> tuple[Path, Path | None]:
     """`data.regenerate=true` in a recipe: regenerate once per (target, data, size) and reuse it.
     With `names` (offline features), the same pass caches the features -> (records, feature folder).
     With `vllm` (`regenerate_vllm`'s keyword arguments, `target` included) the answers come from a
     vLLM server instead, and the caller computes the features from the records in one target pass.
     An interrupted regeneration resumes from its `.partial` files on the next run. `shard`: this
     rank's share of a launch (every rank calls this; see `regenerate`)."""
-    out = regeneration_path(target, tok, data, fingerprint, cache_dir, max_examples, max_new_tokens, vllm=vllm, split=split)
+    out = regeneration_path(
+        target, tok, data, fingerprint, cache_dir, max_examples, max_new_tokens, vllm=vllm, split=split
+    )
     key = out.stem
     if vllm:
         if not out.is_file():
-            regenerate_vllm(tok=tok, data=data, out=out, max_new_tokens=max_new_tokens, max_examples=max_examples,
-                            split=split, malformed=malformed, **vllm)
+            regenerate_vllm(
+                tok=tok,
+                data=data,
+                out=out,
+                max_new_tokens=max_new_tokens,
+                max_examples=max_examples,
+                split=split,
+                malformed=malformed,
+                **vllm,
+            )
         return out, None
     dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
     feats = (Path(cache_dir) / "regenerated" / f"{key}-{'-'.join(sorted(names))}-{dtype}") if names else None
@@ -261,6 +351,20 @@ def cached_regeneration(target, tok, data: str, fingerprint: str, cache_dir: Pat
             if set(names) <= set(json.loads(index.read_text())["features"]):
                 return out, index.parent
         return out, None
-    regenerate(target, tok, data, out, batch_size, max_new_tokens, 0.0, max_examples, names=names,
-               features_out=feats, fingerprint=fingerprint, shard=shard, split=split, malformed=malformed)
+    regenerate(
+        target,
+        tok,
+        data,
+        out,
+        batch_size,
+        max_new_tokens,
+        0.0,
+        max_examples,
+        names=names,
+        features_out=feats,
+        fingerprint=fingerprint,
+        shard=shard,
+        split=split,
+        malformed=malformed,
+    )
     return out, feats

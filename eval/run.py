@@ -23,7 +23,7 @@ def proposer_modules(proposer) -> list[torch.nn.Module]:
     """The modules a proposer decodes with (its drafter, heads or student, and those of the proposers
     it combines: hybrid, cascade), for `packed_linears`."""
     found = []
-    for value in (vars(proposer).values() if proposer is not None else ()):
+    for value in vars(proposer).values() if proposer is not None else ():
         if isinstance(value, torch.nn.Module):
             found.append(value)
         elif hasattr(value, "propose"):
@@ -47,11 +47,26 @@ def divergence_gap(target, prompt: list[int], ref: list[int], generated: list[in
     return abs(float(logits[ref[i]] - logits[generated[i]]))
 
 
-def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k: int = 5, num_prompts: int = 20,
-             max_new_tokens: int = 64, target_name: str = "", temperature: float = 0.0, top_p: float = 1.0,
-             tree: str | None = None, baseline: list[tuple[list[int], float]] | None = None,
-             stale: dict | None = None, kernels: bool = True, batch_sizes: list[int] | None = None,
-             split: str = "train") -> dict:
+def evaluate(
+    proposer,
+    name: str,
+    target,
+    tok,
+    holdout: str,
+    out: Path | None,
+    k: int = 5,
+    num_prompts: int = 20,
+    max_new_tokens: int = 64,
+    target_name: str = "",
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    tree: str | None = None,
+    baseline: list[tuple[list[int], float]] | None = None,
+    stale: dict | None = None,
+    kernels: bool = True,
+    batch_sizes: list[int] | None = None,
+    split: str = "train",
+) -> dict:
     """Decode each holdout prompt target-only and speculatively; measure τ, acceptance, speed.
     proposer: a drafter's proposer (`module.make_proposer`), an NgramProposer, or None (k becomes 0).
     tree: a tree spec (models/drafts.py) instead of a chain of k drafts; k then reports the tree depth.
@@ -61,13 +76,17 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
     batch_sizes: also measure the batch-size curve (eval/batched.py: greedy, chain drafts of k tokens)."""
     spec = parse_tree(tree) if tree else None
     if batch_sizes and (spec is not None or temperature > 0):
-        raise DraftsmithError("--batch-sizes: batched decoding is greedy with chain drafts; drop --tree and --temperature")
+        raise DraftsmithError(
+            "--batch-sizes: batched decoding is greedy with chain drafts; drop --tree and --temperature"
+        )
     if spec is not None and not hasattr(proposer, "propose_tree"):
         raise DraftsmithError(f"--tree: drafter '{name}' proposes chains only; drop --tree or use a trained drafter")
     depth = spec.depth if spec is not None else k
     if depth > getattr(proposer, "max_depth", depth):  # e.g. Medusa: one head per draft position
-        raise DraftsmithError(f"{'--tree' if spec else '--k'}: drafts {depth} deep, but drafter '{name}' drafts at "
-                              f"most {proposer.max_depth} tokens per round")
+        raise DraftsmithError(
+            f"{'--tree' if spec else '--k'}: drafts {depth} deep, but drafter '{name}' drafts at "
+            f"most {proposer.max_depth} tokens per round"
+        )
     if proposer is None:
         k = 0
     elif spec is not None:
@@ -75,6 +94,7 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
     prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts, split)]
     eos = eos_ids(target, tok)
     device = next(target.parameters()).device
+
     def sampler(seed):
         """None = greedy; otherwise one warping shared by target and drafter (lossless sampling)."""
         return Sampler(temperature, top_p, seed, device) if temperature > 0 else None
@@ -90,8 +110,12 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
             proposer.reset_stats()
         sources = dict(getattr(proposer, "draft_sources", {}))  # a hybrid counts its drafts by source
         for n, prompt in enumerate(tqdm(prompts, desc=f"eval {name}")):
-            ref, s_ref = baseline[n] if baseline else timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
-            generated, s_spec = timed(speculative_decode, target, proposer, prompt, k, max_new_tokens, eos, sampler(n), stats, spec)
+            ref, s_ref = (
+                baseline[n] if baseline else timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
+            )
+            generated, s_spec = timed(
+                speculative_decode, target, proposer, prompt, k, max_new_tokens, eos, sampler(n), stats, spec
+            )
             ref_s += s_ref
             stats.seconds += s_spec
             ref_tokens += len(ref)
@@ -101,9 +125,16 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
                 gaps.append(round(divergence_gap(target, prompt, ref, generated), 4))
     target_tps, spec_tps = ref_tokens / ref_s, stats.new_tokens / stats.seconds
     report = {
-        "drafter": name, "target": target_name, "holdout": holdout,
-        "num_prompts": len(prompts), "new_tokens": stats.new_tokens, "temperature": temperature,
-        "k": k, "tree": tree, "tau": round(stats.tau, 4), "acceptance_rate": round(stats.acceptance_rate, 4),
+        "drafter": name,
+        "target": target_name,
+        "holdout": holdout,
+        "num_prompts": len(prompts),
+        "new_tokens": stats.new_tokens,
+        "temperature": temperature,
+        "k": k,
+        "tree": tree,
+        "tau": round(stats.tau, 4),
+        "acceptance_rate": round(stats.acceptance_rate, 4),
         "per_position": [round(p, 4) for p in stats.per_position] if k else [],
         # Greedy: checked token by token. Sampling: outputs differ by design; exactness is a
         # distribution-level property, tested by chi-square tests in tests/test_sampling.py and test_tree.py.
@@ -113,11 +144,16 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
         # outputs identical to a separately run target-only decode, which bf16 near-ties can break
         # (other shapes, other kernels, other roundings) while the rule holds.
         "rule_exact": stats.rule_breaks == 0 if temperature == 0 else None,
-        "target_tokens_per_s": round(target_tps, 2), "spec_tokens_per_s": round(spec_tps, 2),
+        "target_tokens_per_s": round(target_tps, 2),
+        "spec_tokens_per_s": round(spec_tps, 2),
         "speedup": round(spec_tps / target_tps, 3),
         # Beyond the fixed keys: the conditions users need to read the numbers.
-        "batch_size": 1, "top_p": top_p, "stale": stale, "draft_tokens_per_pass": round(stats.proposed / max(stats.passes, 1), 2),
-        "lossless_mismatches": mismatches if temperature == 0 else None, "mismatch_logit_gaps": gaps,
+        "batch_size": 1,
+        "top_p": top_p,
+        "stale": stale,
+        "draft_tokens_per_pass": round(stats.proposed / max(stats.passes, 1), 2),
+        "lossless_mismatches": mismatches if temperature == 0 else None,
+        "mismatch_logit_gaps": gaps,
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         # Where it was measured (device, CPU model or GPU name, native bf16, threads): a speedup
         # read later means nothing without it.
@@ -128,8 +164,9 @@ def evaluate(proposer, name: str, target, tok, holdout: str, out: Path | None, k
     if sources:  # a hybrid: how many drafts of this eval came from each source
         report["draft_sources"] = {src: n - sources[src] for src, n in proposer.draft_sources.items()}
     if batch_sizes:
-        report["batch_curve"] = batch_curve(target, tok, fresh_copies(proposer), prompts, batch_sizes, k,
-                                            max_new_tokens, eos, kernels)
+        report["batch_curve"] = batch_curve(
+            target, tok, fresh_copies(proposer), prompts, batch_sizes, k, max_new_tokens, eos, kernels
+        )
     if out is not None:
         write_report(report, out)
     return report
@@ -145,20 +182,39 @@ def fresh_copies(proposer):
         row = copy.copy(proposer)
         row.reset()
         return row
+
     return make
 
 
-def target_baseline(target, tok, holdout: str, num_prompts: int = 20, max_new_tokens: int = 64,
-                    temperature: float = 0.0, top_p: float = 1.0, kernels: bool = True, split: str = "train",
-                    **_) -> list[tuple[list[int], float]]:
+def target_baseline(
+    target,
+    tok,
+    holdout: str,
+    num_prompts: int = 20,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    kernels: bool = True,
+    split: str = "train",
+    **_,
+) -> list[tuple[list[int], float]]:
     """Target-only decoding of the holdout prompts: (output, seconds) per prompt, seeded as `evaluate`
     seeds them, so a shared baseline is the one `evaluate` would have measured."""
     prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts, split)]
     eos, device = eos_ids(target, tok), next(target.parameters()).device
     with packed_linears(target, enabled=kernels):
         target_decode(target, prompts[0][:8], max_new_tokens, eos, None)  # warm-up, as in evaluate
-        return [timed(target_decode, target, p, max_new_tokens, eos,
-                      Sampler(temperature, top_p, n, device) if temperature > 0 else None) for n, p in enumerate(prompts)]
+        return [
+            timed(
+                target_decode,
+                target,
+                p,
+                max_new_tokens,
+                eos,
+                Sampler(temperature, top_p, n, device) if temperature > 0 else None,
+            )
+            for n, p in enumerate(prompts)
+        ]
 
 
 def evaluate_drafter(module, drafter, dcfg, target, tok, holdout: str, out: Path | None, **kwargs) -> dict:
@@ -177,8 +233,19 @@ def evaluate_drafter(module, drafter, dcfg, target, tok, holdout: str, out: Path
 
 
 @torch.no_grad()
-def backbone_drift(original, trained, tok, holdout: str, proposer, k: int = 5, num_prompts: int = 20,
-                   max_new_tokens: int = 64, tree: str | None = None, split: str = "train", **_) -> dict:
+def backbone_drift(
+    original,
+    trained,
+    tok,
+    holdout: str,
+    proposer,
+    k: int = 5,
+    num_prompts: int = 20,
+    max_new_tokens: int = 64,
+    tree: str | None = None,
+    split: str = "train",
+    **_,
+) -> dict:
     """How far training moved the verifier, on the holdout prompts (greedy):
     - unchanged_fraction: prompts whose greedy output is the same under the original and the trained target;
     - token_agreement: along the original's greedy output, how often the trained target's next-token
@@ -195,6 +262,11 @@ def backbone_drift(original, trained, tok, holdout: str, proposer, k: int = 5, n
         logits = trained(torch.tensor([prompt + ref], device=device)).logits[0, len(prompt) - 1 : -1]
         agree += int((logits.argmax(-1).cpu() == torch.tensor(ref)).sum())
         total += len(ref)
-        speculative_decode(original, proposer, prompt, spec.depth if spec else k, max_new_tokens, eos, None, stats, spec)
-    return {"unchanged_fraction": round(unchanged / len(prompts), 4), "token_agreement": round(agree / max(total, 1), 4),
-            "original_tau": round(stats.tau, 4)}
+        speculative_decode(
+            original, proposer, prompt, spec.depth if spec else k, max_new_tokens, eos, None, stats, spec
+        )
+    return {
+        "unchanged_fraction": round(unchanged / len(prompts), 4),
+        "token_agreement": round(agree / max(total, 1), 4),
+        "original_tau": round(stats.tau, 4),
+    }

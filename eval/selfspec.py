@@ -42,7 +42,9 @@ def check_skip(skip, num_layers: int, where: str = "layer skip") -> list[int]:
     if any(i < 0 or i >= num_layers for i in skip):
         raise DraftsmithError(f"{where}: layers must be in 0..{num_layers - 1}, got {skip}")
     if 0 in skip or len(skip) >= num_layers:
-        raise DraftsmithError(f"{where}: {skip} would skip layer 0 or every layer; the draft keeps layer 0 and at least one more")
+        raise DraftsmithError(
+            f"{where}: {skip} would skip layer 0 or every layer; the draft keeps layer 0 and at least one more"
+        )
     return skip
 
 
@@ -119,8 +121,9 @@ def replay_tau(agree: list[bool], k: int) -> tuple[int, int]:
     return len(agree), passes
 
 
-def calibrate(target, tok, holdout: str, k: int = 4, num_prompts: int = 4, max_new_tokens: int = 32,
-              budget: int = 300, log=print) -> dict:
+def calibrate(
+    target, tok, holdout: str, k: int = 4, num_prompts: int = 4, max_new_tokens: int = 32, budget: int = 300, log=print
+) -> dict:
     """Layer search (see the module docstring) -> {"skip", "tau", "cost_fraction", "estimated_speedup", "evaluations"}."""
     prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
     n_layers, eos = target.config.num_hidden_layers, eos_ids(target, tok)
@@ -151,16 +154,28 @@ def calibrate(target, tok, holdout: str, k: int = 4, num_prompts: int = 4, max_n
         if estimate > best:
             best, best_tau, skip = estimate, tau, sorted(order[:n])
             log(f"skip {skip}: τ {tau:.2f}, estimated speedup {estimate:.3f} ({evaluations} evaluations)")
-    return {"skip": skip, "tau": round(best_tau, 4), "cost_fraction": round(cost_fraction(target, skip), 4),
-            "estimated_speedup": round(best, 4), "evaluations": evaluations, "k": k, "holdout": holdout,
-            "num_prompts": len(prompts), "max_new_tokens": max_new_tokens}
+    return {
+        "skip": skip,
+        "tau": round(best_tau, 4),
+        "cost_fraction": round(cost_fraction(target, skip), 4),
+        "estimated_speedup": round(best, 4),
+        "evaluations": evaluations,
+        "k": k,
+        "holdout": holdout,
+        "num_prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+    }
 
 
 def save(choice: dict, target, target_name: str, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (FILE + ".tmp")
-    tmp.write_text(json.dumps({"drafter": "layerskip", "target": target_name, "target_fingerprint": fingerprint(target),
-                               **choice}, indent=2))
+    tmp.write_text(
+        json.dumps(
+            {"drafter": "layerskip", "target": target_name, "target_fingerprint": fingerprint(target), **choice},
+            indent=2,
+        )
+    )
     tmp.replace(out / FILE)
     return out
 

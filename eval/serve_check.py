@@ -63,8 +63,10 @@ def served_target_name(path: Path) -> str:
         return read_drafter_meta(path)["target"]
     target = (config.get("draftsmith") or {}).get("target") if isinstance(config, dict) else None
     if not target:
-        raise DraftsmithError(f"{path}/config.json: not a draftsmith drafter or export (expected a 'draftsmith' "
-                              "section naming the target, as `draftsmith export` writes)")
+        raise DraftsmithError(
+            f"{path}/config.json: not a draftsmith drafter or export (expected a 'draftsmith' "
+            "section naming the target, as `draftsmith export` writes)"
+        )
     return target
 
 
@@ -83,8 +85,18 @@ def prepare(path: Path, out: Path, target, tok, drafter: Path | None = None):
     return path, config, drafter
 
 
-def draftsmith_side(export_dir: Path, config: dict, source: Path | None, target, tok, data: str, k: int,
-                    num_prompts: int, max_new_tokens: int, batch_sizes: list[int] | None) -> tuple[dict, list]:
+def draftsmith_side(
+    export_dir: Path,
+    config: dict,
+    source: Path | None,
+    target,
+    tok,
+    data: str,
+    k: int,
+    num_prompts: int,
+    max_new_tokens: int,
+    batch_sizes: list[int] | None,
+) -> tuple[dict, list]:
     """draftsmith's eval of the drafter with chain K -> (report, target-only greedy outputs). The
     drafter is the trained one (`source`) when known, so a wrong export shows as a difference;
     otherwise the export read back by draftsmith."""
@@ -93,13 +105,26 @@ def draftsmith_side(export_dir: Path, config: dict, source: Path | None, target,
         module, dcfg, drafter = load_drafter(source, target_to_load_on(target, source))
         verifier = module.verifier(drafter, target)
     else:
-        verifier = load_target(str(export_dir / info["backbone"]), _dtype(target))[0] if info.get("backbone") else target
+        verifier = (
+            load_target(str(export_dir / info["backbone"]), _dtype(target))[0] if info.get("backbone") else target
+        )
         module, dcfg, drafter = import_export(export_dir, verifier)
     proposer = module.make_proposer(drafter, verifier, dcfg)
     common = dict(num_prompts=num_prompts, max_new_tokens=max_new_tokens)
     baseline = target_baseline(verifier, tok, data, **common)
-    report = evaluate(proposer, module.NAME, verifier, tok, data, None, k=k, target_name=info["target"],
-                      baseline=baseline, batch_sizes=batch_sizes, **common)
+    report = evaluate(
+        proposer,
+        module.NAME,
+        verifier,
+        tok,
+        data,
+        None,
+        k=k,
+        target_name=info["target"],
+        baseline=baseline,
+        batch_sizes=batch_sizes,
+        **common,
+    )
     return report, [out for out, _ in baseline]
 
 
@@ -107,8 +132,15 @@ def _dtype(model) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
-def vllm_side(served: str, prompts: list[list[int]], max_new_tokens: int, concurrency: list[int], speculative=None,
-              url: str | None = None, **serve_kwargs) -> dict:
+def vllm_side(
+    served: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    concurrency: list[int],
+    speculative=None,
+    url: str | None = None,
+    **serve_kwargs,
+) -> dict:
     """One vLLM server (started here unless `url`): greedy outputs at concurrency 1, the speculation
     counters of that run, and tokens/s at every concurrency level."""
     with vllm_server.serve(served, url=url, speculative=speculative, **serve_kwargs) as server:
@@ -121,24 +153,44 @@ def vllm_side(served: str, prompts: list[list[int]], max_new_tokens: int, concur
             if c != 1:
                 got, s = vllm_server.complete_all(server, prompts, max_new_tokens, c)
                 speed[c] = sum(map(len, got)) / s
-    return {"outputs": outs, "counters": counters, "tokens_per_s": speed, "version": server.version,
-            "args": server.args}
+    return {
+        "outputs": outs,
+        "counters": counters,
+        "tokens_per_s": speed,
+        "version": server.version,
+        "args": server.args,
+    }
 
 
 def vllm_acceptance(counters: dict) -> dict:
     """τ, acceptance rate and per-position acceptance P(j accepted | j−1 accepted) from vLLM's counters."""
     drafts, pos = counters["num_drafts"], counters["per_pos"]
     per_position = [a / prev if prev else 0.0 for a, prev in zip(pos, [drafts, *pos[:-1]])]
-    return {"vllm_tau": round(1 + counters["num_accepted_tokens"] / max(drafts, 1), 4),
-            "vllm_acceptance_rate": round(counters["num_accepted_tokens"] / max(counters["num_draft_tokens"], 1), 4),
-            "vllm_per_position": [round(p, 4) for p in per_position], "vllm_drafts": int(drafts)}
+    return {
+        "vllm_tau": round(1 + counters["num_accepted_tokens"] / max(drafts, 1), 4),
+        "vllm_acceptance_rate": round(counters["num_accepted_tokens"] / max(counters["num_draft_tokens"], 1), 4),
+        "vllm_per_position": [round(p, 4) for p in per_position],
+        "vllm_drafts": int(drafts),
+    }
 
 
-def serve_check(path: str | Path, data: str, out: str | Path, num_prompts: int = 12, max_new_tokens: int = 96,
-                k: int = 3, concurrency: list[int] | None = None, target_name: str | None = None,
-                dtype: str = "float32", drafter: str | Path | None = None, server: str | None = None,
-                target_server: str | None = None, vllm_python: str | None = None, port: int = 0,
-                extra: tuple[str, ...] = ()) -> dict:
+def serve_check(
+    path: str | Path,
+    data: str,
+    out: str | Path,
+    num_prompts: int = 12,
+    max_new_tokens: int = 96,
+    k: int = 3,
+    concurrency: list[int] | None = None,
+    target_name: str | None = None,
+    dtype: str = "float32",
+    drafter: str | Path | None = None,
+    server: str | None = None,
+    target_server: str | None = None,
+    vllm_python: str | None = None,
+    port: int = 0,
+    extra: tuple[str, ...] = (),
+) -> dict:
     """Run the check (module docstring); write OUT/serve_check.json, .md and .png -> the result."""
     path, out = Path(path), Path(out)
     concurrency = sorted(set(concurrency or [1]) | {1})
@@ -157,19 +209,48 @@ def serve_check(path: str | Path, data: str, out: str | Path, num_prompts: int =
     info = config["draftsmith"]
     served = str((export_dir / info["backbone"]).resolve() if info.get("backbone") else resolve_target(info["target"]))
     prompts = [encode_prompt(tok, p) for p in load_prompts(data, num_prompts)]
-    ours, ours_ref = draftsmith_side(export_dir, config, source, target, tok, data, k, num_prompts, max_new_tokens,
-                                     concurrency if len(concurrency) > 1 else None)
-    kw = dict(python=vllm_python, port=port, dtype=dtype, max_model_len=_max_len(prompts, max_new_tokens),
-              extra=tuple(extra), log_dir=out)
+    ours, ours_ref = draftsmith_side(
+        export_dir,
+        config,
+        source,
+        target,
+        tok,
+        data,
+        k,
+        num_prompts,
+        max_new_tokens,
+        concurrency if len(concurrency) > 1 else None,
+    )
+    kw = dict(
+        python=vllm_python,
+        port=port,
+        dtype=dtype,
+        max_model_len=_max_len(prompts, max_new_tokens),
+        extra=tuple(extra),
+        log_dir=out,
+    )
     plain = vllm_side(served, prompts, max_new_tokens, concurrency, url=target_server, **kw)
     kw["extra"] = (*family_args, *extra)  # what the family's export needs, then the user's flags
-    result = {"export": str(export_dir), "family": module.NAME, "speculative_config": speculative,
-              "vllm_args": list(family_args),
-              "served_target": served, "data": data, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
-              "k": k, "dtype": dtype, "vllm_version": plain["version"], "draftsmith_tau": ours["tau"],
-              "draftsmith_per_position": ours["per_position"], "draftsmith_acceptance_rate": ours["acceptance_rate"],
-              "draftsmith_lossless": ours["lossless"], "draftsmith_rule_exact": ours["rule_exact"],
-              "draftsmith_lossless_cell": lossless_cell(ours), "where": _where(ours)}
+    result = {
+        "export": str(export_dir),
+        "family": module.NAME,
+        "speculative_config": speculative,
+        "vllm_args": list(family_args),
+        "served_target": served,
+        "data": data,
+        "num_prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "k": k,
+        "dtype": dtype,
+        "vllm_version": plain["version"],
+        "draftsmith_tau": ours["tau"],
+        "draftsmith_per_position": ours["per_position"],
+        "draftsmith_acceptance_rate": ours["acceptance_rate"],
+        "draftsmith_lossless": ours["lossless"],
+        "draftsmith_rule_exact": ours["rule_exact"],
+        "draftsmith_lossless_cell": lossless_cell(ours),
+        "where": _where(ours),
+    }
     try:
         spec = vllm_side(served, prompts, max_new_tokens, concurrency, speculative, url=server, **kw)
     except DraftsmithError as e:  # vLLM refused the export: that is the finding
@@ -178,29 +259,45 @@ def serve_check(path: str | Path, data: str, out: str | Path, num_prompts: int =
         return result
     same_engine = [a == b for a, b in zip(spec["outputs"], plain["outputs"])]
     same_ref = [a == b for a, b in zip(plain["outputs"], ours_ref)]
-    result.update(loaded=True, identical_to_target_only=all(same_engine), identical_to_draftsmith=all(same_ref),
-                  prompts_identical_to_target_only=sum(same_engine), prompts_identical_to_draftsmith=sum(same_ref),
-                  **vllm_acceptance(spec["counters"]))
+    result.update(
+        loaded=True,
+        identical_to_target_only=all(same_engine),
+        identical_to_draftsmith=all(same_ref),
+        prompts_identical_to_target_only=sum(same_engine),
+        prompts_identical_to_draftsmith=sum(same_ref),
+        **vllm_acceptance(spec["counters"]),
+    )
     result["tau_rel_diff"] = round(abs(result["vllm_tau"] - ours["tau"]) / ours["tau"], 4)
     result["tau_tolerance"] = round(tau_tolerance(len(prompts), result["vllm_drafts"]), 4)
     result["concurrency"] = [
-        {"concurrency": c, "target_tokens_per_s": round(plain["tokens_per_s"][c], 2),
-         "spec_tokens_per_s": round(spec["tokens_per_s"][c], 2),
-         "speedup": round(spec["tokens_per_s"][c] / plain["tokens_per_s"][c], 3)} for c in concurrency]
+        {
+            "concurrency": c,
+            "target_tokens_per_s": round(plain["tokens_per_s"][c], 2),
+            "spec_tokens_per_s": round(spec["tokens_per_s"][c], 2),
+            "speedup": round(spec["tokens_per_s"][c] / plain["tokens_per_s"][c], 3),
+        }
+        for c in concurrency
+    ]
     result["draftsmith_speedup"] = ours["speedup"]
     result["draftsmith_batch_curve"] = ours.get("batch_curve")
     why = []
     if ours["rule_exact"] is False:
         why.append("draftsmith's greedy rounds broke the verification rule (rule_exact false)")
     if not result["identical_to_target_only"]:
-        why.append(f"vLLM's speculative outputs differ from its target-only outputs on "
-                   f"{len(prompts) - result['prompts_identical_to_target_only']} of {len(prompts)} prompts")
+        why.append(
+            f"vLLM's speculative outputs differ from its target-only outputs on "
+            f"{len(prompts) - result['prompts_identical_to_target_only']} of {len(prompts)} prompts"
+        )
     if dtype in ("float32", "fp32") and not result["identical_to_draftsmith"]:
-        why.append(f"vLLM's target-only outputs differ from draftsmith's on "
-                   f"{len(prompts) - result['prompts_identical_to_draftsmith']} of {len(prompts)} prompts (fp32)")
+        why.append(
+            f"vLLM's target-only outputs differ from draftsmith's on "
+            f"{len(prompts) - result['prompts_identical_to_draftsmith']} of {len(prompts)} prompts (fp32)"
+        )
     if not result["tau_rel_diff"] <= result["tau_tolerance"]:
-        why.append(f"τ {result['vllm_tau']:.3f} in vLLM vs {ours['tau']:.3f} in draftsmith: {result['tau_rel_diff']:.1%} "
-                   f"apart, more than the {result['tau_tolerance']:.1%} tolerance")
+        why.append(
+            f"τ {result['vllm_tau']:.3f} in vLLM vs {ours['tau']:.3f} in draftsmith: {result['tau_rel_diff']:.1%} "
+            f"apart, more than the {result['tau_tolerance']:.1%} tolerance"
+        )
     result.update(passed=not why, why="; ".join(why) or None)
     write(result, out)
     return result
@@ -211,10 +308,12 @@ def summary(r: dict) -> str:
     if not r["loaded"]:
         return f"vLLM {r.get('vllm_version', '')} did not load the export: {r['why']}"
     c1 = r["concurrency"][0]
-    return (f"served by {r['vllm_version']}: τ {r['vllm_tau']:.2f} in vLLM vs {r['draftsmith_tau']:.2f} in draftsmith "
-            f"(per-position {' '.join(f'{p:.2f}' for p in r['vllm_per_position'])}), outputs identical to vLLM's "
-            f"target-only on {r['prompts_identical_to_target_only']}/{r['num_prompts']} prompts, vLLM speedup "
-            f"{c1['speedup']:.2f}x at concurrency 1 ({r['dtype']}) — {'passed' if r['passed'] else 'FAILED: ' + r['why']}")
+    return (
+        f"served by {r['vllm_version']}: τ {r['vllm_tau']:.2f} in vLLM vs {r['draftsmith_tau']:.2f} in draftsmith "
+        f"(per-position {' '.join(f'{p:.2f}' for p in r['vllm_per_position'])}), outputs identical to vLLM's "
+        f"target-only on {r['prompts_identical_to_target_only']}/{r['num_prompts']} prompts, vLLM speedup "
+        f"{c1['speedup']:.2f}x at concurrency 1 ({r['dtype']}) — {'passed' if r['passed'] else 'FAILED: ' + r['why']}"
+    )
 
 
 def _max_len(prompts: list[list[int]], max_new_tokens: int) -> int:
@@ -224,32 +323,54 @@ def _max_len(prompts: list[list[int]], max_new_tokens: int) -> int:
 
 
 def markdown(r: dict) -> str:
-    head = [f"# serve-check: {r['family']} in vLLM {r.get('vllm_version', '?')}", "",
-            f"Export `{r['export']}` served with `--speculative-config '{json.dumps(r['speculative_config'])}'` on "
-            f"`{r['served_target']}`; {r['num_prompts']} prompts of `{r['data']}`, {r['max_new_tokens']} new tokens, "
-            f"greedy, {r['dtype']}. draftsmith measured on {r['where']}.", ""]
+    head = [
+        f"# serve-check: {r['family']} in vLLM {r.get('vllm_version', '?')}",
+        "",
+        f"Export `{r['export']}` served with `--speculative-config '{json.dumps(r['speculative_config'])}'` on "
+        f"`{r['served_target']}`; {r['num_prompts']} prompts of `{r['data']}`, {r['max_new_tokens']} new tokens, "
+        f"greedy, {r['dtype']}. draftsmith measured on {r['where']}.",
+        "",
+    ]
     if not r["loaded"]:
         return "\n".join(head + [f"**vLLM did not load the export**: {r['why']}", ""])
     pp = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
     yes = lambda ok, n: f"{'yes' if ok else 'NO'} ({n}/{r['num_prompts']})"  # noqa: E731
-    return "\n".join(head + [
-        "| engine | τ | acceptance | per-position | lossless |", "|---|---|---|---|---|",
-        f"| vLLM | {r['vllm_tau']:.2f} | {r['vllm_acceptance_rate']:.2f} | {pp(r['vllm_per_position'])} | "
-        f"identical to vLLM target-only: {yes(r['identical_to_target_only'], r['prompts_identical_to_target_only'])} |",
-        f"| draftsmith | {r['draftsmith_tau']:.2f} | {r['draftsmith_acceptance_rate']:.2f} | "
-        f"{pp(r['draftsmith_per_position'])} | {r.get('draftsmith_lossless_cell', '?')} |", "",
-        f"vLLM target-only = draftsmith's target-only: {yes(r['identical_to_draftsmith'], r['prompts_identical_to_draftsmith'])}. "
-        "vLLM's rounds are not visible from outside, so its column is output identity; draftsmith's is the "
-        "verification rule checked round by round (`rule_exact`), with identity beside it (report.md of `draftsmith eval` "
-        "explains both).", "",
-        f"τ differs by {r['tau_rel_diff']:.1%} (tolerance {r['tau_tolerance']:.1%}): "
-        f"**{'passed' if r['passed'] else 'FAILED: ' + r['why']}**.", "",
-        "| concurrency | vLLM target tok/s | vLLM spec tok/s | vLLM speedup |", "|---|---|---|---|",
-        *[f"| {c['concurrency']} | {c['target_tokens_per_s']:.1f} | {c['spec_tokens_per_s']:.1f} | {c['speedup']:.2f}x |"
-          for c in r["concurrency"]], "",
-        f"draftsmith's own engine, batch 1: {r['draftsmith_speedup']:.2f}x." +
-        ("" if not r.get("draftsmith_batch_curve") else " Its batch-size curve: " + ", ".join(
-            f"B={c['batch_size']} {c['speedup']:.2f}x" for c in r["draftsmith_batch_curve"]) + "."), ""])
+    return "\n".join(
+        head
+        + [
+            "| engine | τ | acceptance | per-position | lossless |",
+            "|---|---|---|---|---|",
+            f"| vLLM | {r['vllm_tau']:.2f} | {r['vllm_acceptance_rate']:.2f} | {pp(r['vllm_per_position'])} | "
+            f"identical to vLLM target-only: {yes(r['identical_to_target_only'], r['prompts_identical_to_target_only'])} |",
+            f"| draftsmith | {r['draftsmith_tau']:.2f} | {r['draftsmith_acceptance_rate']:.2f} | "
+            f"{pp(r['draftsmith_per_position'])} | {r.get('draftsmith_lossless_cell', '?')} |",
+            "",
+            f"vLLM target-only = draftsmith's target-only: {yes(r['identical_to_draftsmith'], r['prompts_identical_to_draftsmith'])}. "
+            "vLLM's rounds are not visible from outside, so its column is output identity; draftsmith's is the "
+            "verification rule checked round by round (`rule_exact`), with identity beside it (report.md of `draftsmith eval` "
+            "explains both).",
+            "",
+            f"τ differs by {r['tau_rel_diff']:.1%} (tolerance {r['tau_tolerance']:.1%}): "
+            f"**{'passed' if r['passed'] else 'FAILED: ' + r['why']}**.",
+            "",
+            "| concurrency | vLLM target tok/s | vLLM spec tok/s | vLLM speedup |",
+            "|---|---|---|---|",
+            *[
+                f"| {c['concurrency']} | {c['target_tokens_per_s']:.1f} | {c['spec_tokens_per_s']:.1f} | {c['speedup']:.2f}x |"
+                for c in r["concurrency"]
+            ],
+            "",
+            f"draftsmith's own engine, batch 1: {r['draftsmith_speedup']:.2f}x."
+            + (
+                ""
+                if not r.get("draftsmith_batch_curve")
+                else " Its batch-size curve: "
+                + ", ".join(f"B={c['batch_size']} {c['speedup']:.2f}x" for c in r["draftsmith_batch_curve"])
+                + "."
+            ),
+            "",
+        ]
+    )
 
 
 def _plot(r: dict, path: Path) -> None:

@@ -26,15 +26,17 @@ class Stats:
     """Pooled counters over all prompts (EAGLE / Spec-Bench style)."""
 
     k: int
-    passes: int = 0          # target verification passes (the prefill pass is not counted)
-    emitted: int = 0         # tokens emitted by those passes, bonus included
+    passes: int = 0  # target verification passes (the prefill pass is not counted)
+    emitted: int = 0  # tokens emitted by those passes, bonus included
     proposed: int = 0
     accepted: int = 0
-    reached: list[int] = field(default_factory=list)    # rounds in which draft position j was reached
+    reached: list[int] = field(default_factory=list)  # rounds in which draft position j was reached
     accepted_at: list[int] = field(default_factory=list)
     seconds: float = 0.0
-    new_tokens: int = 0      # all generated tokens (prefill token included), for tokens/s
-    rule_breaks: int = 0     # greedy rounds whose emitted tokens are not the rule's for that pass (eval/tree.py rule_exact)
+    new_tokens: int = 0  # all generated tokens (prefill token included), for tokens/s
+    rule_breaks: int = (
+        0  # greedy rounds whose emitted tokens are not the rule's for that pass (eval/tree.py rule_exact)
+    )
 
     def __post_init__(self):
         self.reached = self.reached or [0] * self.k
@@ -87,8 +89,9 @@ def target_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> lis
     return target_decode(target, prompt, max_new, eos)
 
 
-def speculative_greedy(target, proposer, prompt: list[int], k: int, max_new: int, eos: set[int],
-                       stats: Stats | None = None) -> list[int]:
+def speculative_greedy(
+    target, proposer, prompt: list[int], k: int, max_new: int, eos: set[int], stats: Stats | None = None
+) -> list[int]:
     return speculative_decode(target, proposer, prompt, k, max_new, eos, None, stats)
 
 
@@ -117,8 +120,8 @@ class NgramProposer:
         for n in range(min(self.max_ngram, len(seq) - 1), 0, -1):
             tail = seq[-n:]
             for start in range(len(seq) - n - 1, -1, -1):
-                if seq[start:start + n] == tail:
-                    follow = seq[start + n:start + n + k]
+                if seq[start : start + n] == tail:
+                    follow = seq[start + n : start + n + k]
                     if follow:
                         return Draft.chain(follow)
         return Draft()
@@ -167,15 +170,31 @@ def target_sample(target, prompt: list[int], max_new: int, eos: set[int], sample
     return target_decode(target, prompt, max_new, eos, sampler)
 
 
-def speculative_sample(target, proposer, prompt: list[int], k: int, max_new: int, eos: set[int],
-                       sampler: Sampler, stats: Stats | None = None) -> list[int]:
+def speculative_sample(
+    target,
+    proposer,
+    prompt: list[int],
+    k: int,
+    max_new: int,
+    eos: set[int],
+    sampler: Sampler,
+    stats: Stats | None = None,
+) -> list[int]:
     return speculative_decode(target, proposer, prompt, k, max_new, eos, sampler, stats)
 
 
 @torch.no_grad()
-def speculative_decode(target, proposer, prompt: list[int], k: int, max_new: int, eos: set[int],
-                       sampler: Sampler | None = None, stats: Stats | None = None,
-                       tree: TreeSpec | None = None) -> list[int]:
+def speculative_decode(
+    target,
+    proposer,
+    prompt: list[int],
+    k: int,
+    max_new: int,
+    eos: set[int],
+    sampler: Sampler | None = None,
+    stats: Stats | None = None,
+    tree: TreeSpec | None = None,
+) -> list[int]:
     """One round: the drafter proposes a chain of K tokens (or a tree); the target scores the last
     token and every draft node in one forward pass; the verify rule keeps one path and adds one
     target token."""
@@ -194,13 +213,19 @@ def speculative_decode(target, proposer, prompt: list[int], k: int, max_new: int
             draft = Draft()
         else:
             ctx = torch.tensor([tokens], device=device)
-            draft = proposer.propose(ctx, feats, k, sampler) if tree is None else proposer.propose_tree(ctx, feats, tree)
+            draft = (
+                proposer.propose(ctx, feats, k, sampler) if tree is None else proposer.propose_tree(ctx, feats, tree)
+            )
         prefix = len(tokens) - 1  # the target has cached every token but the newest (the root)
         # A lone root attends to the whole prefix: no mask needed, the plain one-token decode step,
         # which target-only decoding (this loop with no drafter) takes too.
         mask, positions = verification_inputs(draft, prefix, device) if draft.tokens else (None, None)
-        new_feats, logits = verification_forward(target, tokens[-1:] + draft.tokens, cache, device, names, mask, positions)
-        path, new = verify_tree_greedy(draft, logits[0]) if sampler is None else verify_tree_sampled(draft, logits[0], sampler)
+        new_feats, logits = verification_forward(
+            target, tokens[-1:] + draft.tokens, cache, device, names, mask, positions
+        )
+        path, new = (
+            verify_tree_greedy(draft, logits[0]) if sampler is None else verify_tree_sampled(draft, logits[0], sampler)
+        )
         if stats is not None and sampler is None:
             stats.rule_breaks += not rule_exact(draft, logits[0], path, new)
         # Keep the root and the accepted path in the target's cache and features: rows 0 and 1+i.
@@ -216,4 +241,4 @@ def speculative_decode(target, proposer, prompt: list[int], k: int, max_new: int
         tokens += new
         if stats is not None:
             stats.record(len(draft.tokens), min(len(path), len(new)), len(new), draft.max_depth)
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]

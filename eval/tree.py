@@ -53,7 +53,8 @@ def rule_exact(draft: Draft, logits: torch.Tensor, path: list[int], emitted: lis
         parent = node
     bonus = preds[parent + 1]
     return emitted == [draft.tokens[n] for n in path] + [bonus] and all(
-        draft.tokens[c] != bonus for c in draft.children(parent))
+        draft.tokens[c] != bonus for c in draft.children(parent)
+    )
 
 
 def verify_tree_sampled(draft: Draft, logits: torch.Tensor, sampler) -> tuple[list[int], list[int]]:
@@ -80,5 +81,3 @@ def verify_tree_sampled(draft: Draft, logits: torch.Tensor, sampler) -> tuple[li
             return path, [draft.tokens[c] for c in path] + [sampler.sample(p)]
         node = c
         path.append(node)
-
-

@@ -69,8 +69,10 @@ def target_label_rows(lm_head, last: torch.Tensor, need: torch.Tensor, reduce):
     row_of = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
     row_of[nb, np_] = torch.arange(len(nb), device=need.device)
     calls = max(max_over_ranks(-(-len(nb) // 4096), need.device), 1)  # one call on no rows: empty outputs
-    parts = [reduce(lm_head(last[nb[c:c + 4096], np_[c:c + 4096]].to(lm_head.weight.dtype)).float())
-             for c in range(0, 4096 * calls, 4096)]
+    parts = [
+        reduce(lm_head(last[nb[c : c + 4096], np_[c : c + 4096]].to(lm_head.weight.dtype)).float())
+        for c in range(0, 4096 * calls, 4096)
+    ]
     return row_of, [torch.cat(p) for p in zip(*parts)]
 
 
@@ -96,15 +98,24 @@ def lora_config(cfg, model: torch.nn.Module):
     from peft import LoraConfig
 
     out = model.get_output_embeddings()
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not out})
+    linear = sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not out}
+    )
     wanted = [n.strip() for n in cfg.lora_target_modules.split(",") if n.strip()]
     if wanted != ["all-linear"]:
         unknown = [n for n in wanted if n not in linear]
         if unknown or not wanted:
-            raise DraftsmithError(f"drafter.lora_target_modules: {', '.join(unknown) or 'nothing given'} not in the "
-                                  f"model; its linear layers are {', '.join(linear)} (or use all-linear)")
-    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules="all-linear" if wanted == ["all-linear"] else wanted, bias="none")
+            raise DraftsmithError(
+                f"drafter.lora_target_modules: {', '.join(unknown) or 'nothing given'} not in the "
+                f"model; its linear layers are {', '.join(linear)} (or use all-linear)"
+            )
+    return LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules="all-linear" if wanted == ["all-linear"] else wanted,
+        bias="none",
+    )
 
 
 def single_group(drafter: torch.nn.Module, cfg, lr: float) -> list[dict]:
@@ -120,8 +131,10 @@ def mask_token(requested: int | None, target_config) -> int:
         mid = target_config.pad_token_id if target_config.pad_token_id is not None else target_config.eos_token_id
         mid = mid[0] if isinstance(mid, list) else mid
     if not isinstance(mid, int) or not 0 <= mid < target_config.vocab_size:
-        raise DraftsmithError(f"drafter.mask_token_id: expected an id in [0, {target_config.vocab_size - 1}] (the "
-                              f"target's vocabulary), got {mid}")
+        raise DraftsmithError(
+            f"drafter.mask_token_id: expected an id in [0, {target_config.vocab_size - 1}] (the "
+            f"target's vocabulary), got {mid}"
+        )
     return mid
 
 
@@ -138,8 +151,10 @@ def frozen_target(drafter: torch.nn.Module, target):
 def vllm_method(method: str):
     """`vllm_serving` of a family vLLM serves as speculative `method` with a chain of k drafts and no
     extra server flags: -> (--speculative-config, flags)."""
+
     def vllm_serving(export_dir, export_config: dict, k: int) -> tuple[dict, list[str]]:
         return {"method": method, "model": str(export_dir), "num_speculative_tokens": k}, []
+
     return vllm_serving
 
 
@@ -159,12 +174,22 @@ def llama_dims(drafter) -> dict:
     c = drafter.config
     rope = dict(c.rope_parameters)
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    return {"model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "hidden_act": "silu",
-            "max_position_embeddings": c.max_position_embeddings, "rope_theta": rope.get("rope_theta"),
-            "rope_scaling": None if scaling.get("rope_type", "default") == "default" else scaling,
-            "rope_parameters": rope, "num_hidden_layers": 1, "vocab_size": c.vocab_size}
+    return {
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_position_embeddings,
+        "rope_theta": rope.get("rope_theta"),
+        "rope_scaling": None if scaling.get("rope_type", "default") == "default" else scaling,
+        "rope_parameters": rope,
+        "num_hidden_layers": 1,
+        "vocab_size": c.vocab_size,
+    }
 
 
 def exported_layer_config(config: dict):
@@ -201,7 +226,7 @@ def from_exported_head(drafter, config: dict, state: dict):
 
 def renamed(state: dict, old: str, new: str) -> dict:
     """Tensor names with prefix `old` under prefix `new` (the engines' names <-> draftsmith's)."""
-    return {(new + k[len(old):]) if k.startswith(old) else k: v for k, v in state.items()}
+    return {(new + k[len(old) :]) if k.startswith(old) else k: v for k, v in state.items()}
 
 
 def trains_target_never(drafter_config: dict) -> bool:
@@ -226,8 +251,10 @@ def target_as_original(drafter, target):
 
 
 def vllm_snippet(method: str, repo_id: str, target: str, k: int) -> str:
-    return (f"```bash\nvllm serve {target} --speculative-config \\\n"
-            f"  '{{\"method\": \"{method}\", \"model\": \"{repo_id}\", \"num_speculative_tokens\": {k}}}'\n```")
+    return (
+        f"```bash\nvllm serve {target} --speculative-config \\\n"
+        f'  \'{{"method": "{method}", "model": "{repo_id}", "num_speculative_tokens": {k}}}\'\n```'
+    )
 
 
 def logit_diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -340,11 +367,16 @@ class FeatureProposer:
         """Feed the real pairs not cached yet -> logits [V] for the first draft position."""
         crop_cache(self.cache, self.n_real)
         n_feats = next(iter(feats.values())).shape[1]
-        new = {name: f[:, self.n_real:] for name, f in feats.items()}
+        new = {name: f[:, self.n_real :] for name, f in feats.items()}
         t, device = n_feats - self.n_real, tokens.device
         pos = torch.arange(self.n_real, n_feats, device=device)[None]
-        out = self.step(self.to_hidden(new), self.embed(tokens[:, self.n_real + 1 : n_feats + 1]), pos,
-                        causal_mask(t, n_feats, device=device), self.cache)
+        out = self.step(
+            self.to_hidden(new),
+            self.embed(tokens[:, self.n_real + 1 : n_feats + 1]),
+            pos,
+            causal_mask(t, n_feats, device=device),
+            self.cache,
+        )
         self.n_real, self.fed, self.outs = n_feats, [], {-1: out[:, -1:]}
         return self.logits(out[:, -1:])[0, 0]
 

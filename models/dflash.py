@@ -90,18 +90,24 @@ class DrafterConfig:
     def __post_init__(self):
         check_loss(self.loss, "drafter.loss", TOKEN_LOSSES)
         if not isinstance(self.block_size, int) or self.block_size < 2:
-            raise DraftsmithError(f"drafter.block_size: expected >= 2 (the bonus slot + at least one mask slot), "
-                                  f"got {self.block_size}")
+            raise DraftsmithError(
+                f"drafter.block_size: expected >= 2 (the bonus slot + at least one mask slot), got {self.block_size}"
+            )
         if self.position_weighting not in WEIGHTINGS:
-            raise DraftsmithError(f"drafter.position_weighting: unknown '{self.position_weighting}' "
-                                  f"(valid: {', '.join(WEIGHTINGS)})")
+            raise DraftsmithError(
+                f"drafter.position_weighting: unknown '{self.position_weighting}' (valid: {', '.join(WEIGHTINGS)})"
+            )
         if self.num_layers < 1 or self.num_anchors < 1 or self.gamma <= 0 or not 0 <= self.dpace_alpha <= 1:
-            raise DraftsmithError(f"drafter: expected num_layers >= 1, num_anchors >= 1, gamma > 0 and "
-                                  f"0 <= dpace_alpha <= 1, got {self.num_layers}, {self.num_anchors}, {self.gamma}, "
-                                  f"{self.dpace_alpha}")
+            raise DraftsmithError(
+                f"drafter: expected num_layers >= 1, num_anchors >= 1, gamma > 0 and "
+                f"0 <= dpace_alpha <= 1, got {self.num_layers}, {self.num_anchors}, {self.gamma}, "
+                f"{self.dpace_alpha}"
+            )
         if self.aux_layers is not None and len(set(self.aux_layers)) != len(self.aux_layers):
-            raise DraftsmithError(f"drafter.aux_layers: repeated layer ids {list(self.aux_layers)} (vLLM refuses "
-                                  f"them); name each layer once")
+            raise DraftsmithError(
+                f"drafter.aux_layers: repeated layer ids {list(self.aux_layers)} (vLLM refuses "
+                f"them); name each layer once"
+            )
 
 
 def aux_layers(cfg: DrafterConfig, target_config) -> list[int]:
@@ -112,8 +118,10 @@ def aux_layers(cfg: DrafterConfig, target_config) -> list[int]:
     bad = [a for a in layers if not isinstance(a, int) or not 0 <= a < n - 1]
     if bad or not layers or layers != sorted(set(layers)):
         default = "" if cfg.aux_layers else f" (the default for {n} layers; set drafter.aux_layers)"
-        raise DraftsmithError(f"drafter.aux_layers: expected distinct increasing layer ids in [0, {n - 2}] (the "
-                              f"last layer's output differs in vLLM: pre-norm), got {layers}{default}")
+        raise DraftsmithError(
+            f"drafter.aux_layers: expected distinct increasing layer ids in [0, {n - 2}] (the "
+            f"last layer's output differs in vLLM: pre-norm), got {layers}{default}"
+        )
     return layers
 
 
@@ -176,9 +184,13 @@ class DFlashDrafter(nn.Module):
             k = _rope(attn.k_norm(self._heads(a, attn.k_proj)).transpose(1, 2), cos, sin)
             v = self._heads(a, attn.v_proj).transpose(1, 2)
             g = attn.num_key_value_groups
-            o = F.scaled_dot_product_attention(q, repeat_kv(torch.cat([k_ctx, k], 2), g),
-                                               repeat_kv(torch.cat([v_ctx, v], 2), g), attn_mask=mask,
-                                               scale=attn.scaling)
+            o = F.scaled_dot_product_attention(
+                q,
+                repeat_kv(torch.cat([k_ctx, k], 2), g),
+                repeat_kv(torch.cat([v_ctx, v], 2), g),
+                attn_mask=mask,
+                scale=attn.scaling,
+            )
             x = x + attn.o_proj(o.transpose(1, 2).reshape(*x.shape[:-1], -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
@@ -201,6 +213,7 @@ def rebuild(meta: dict, target) -> DFlashDrafter:
 
 
 # --- training ----------------------------------------------------------------------------------------
+
 
 def sample_anchors(attn: torch.Tensor, lmask: torch.Tensor, n: int) -> list[torch.Tensor]:
     """Per sequence, up to n anchors, sorted, drawn without replacement (torch's global RNG, so every
@@ -230,7 +243,7 @@ def block_inputs(ids, attn, anchors: list[torch.Tensor], block: int, mask_id: in
     group = -1 - q[None].repeat(bsz, 1)  # padding: a group of its own
     for b, a in enumerate(anchors):
         n = len(a) * block
-        block_ids[b, : n : block] = ids[b, a]  # slot 0: the anchor (bonus) token
+        block_ids[b, :n:block] = ids[b, a]  # slot 0: the anchor (bonus) token
         pos[b, :n] = (a[:, None] + k).flatten()
         anchor_of[b, :n] = a.repeat_interleave(block)
         group[b, :n] = q[:n] // block
@@ -259,8 +272,12 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
         need = torch.zeros_like(lmask, dtype=torch.bool)
         need[seq[valid], lab[valid] - 1] = True  # the label of x_{a+k} is the target at position a+k-1
         # The argmax for `ce`; the soft losses also keep the target's full-vocabulary logits.
-        row_of, (top, *full) = target_label_rows(lm_head, feats["last_hidden"], need, lambda logits: (
-            logits.argmax(-1), *([logits] if cfg.loss != "ce" else [])))
+        row_of, (top, *full) = target_label_rows(
+            lm_head,
+            feats["last_hidden"],
+            need,
+            lambda logits: (logits.argmax(-1), *([logits] if cfg.loss != "ce" else [])),
+        )
         soft = full[0] if full else None
         rows = row_of[seq, (lab - 1).clamp(max=t - 1)].clamp(min=0)  # [N, B-1]; invalid slots: any row, weight 0
     names = feature_names(cfg, target.config)
@@ -285,8 +302,10 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
         # The loop divides metric sums by n (blocks): slot d+1's hits are scaled by n / (its trained
         # slots) so that acc{d} reads as draft d+1's top-1 agreement on its own slots (as P-EAGLE's).
         hits = (logits.argmax(-1) == labels).float() * keep
-        metrics = {("acc" if d == 0 else f"acc{d}"): hits[:, d].sum() * n / keep[:, d].sum().clamp_min(1)
-                   for d in range(nb - 1)}
+        metrics = {
+            ("acc" if d == 0 else f"acc{d}"): hits[:, d].sum() * n / keep[:, d].sum().clamp_min(1)
+            for d in range(nb - 1)
+        }
     return loss, n, metrics
 
 
@@ -300,6 +319,7 @@ def slot_weights(cfg: DrafterConfig, confidence: torch.Tensor, mask: torch.Tenso
 
 
 # --- inference ---------------------------------------------------------------------------------------
+
 
 class BlockProposer:
     """DFlash drafting as vLLM's DFlashProposer: one drafter pass per round over the block
@@ -337,13 +357,18 @@ class BlockProposer:
         d, device = self.drafter, tokens.device
         n_feats = next(iter(feats.values())).shape[1]  # features of every token but the newest
         if n_feats > self.n_real:
-            new = aux_features({n: f[:, self.n_real:] for n, f in feats.items()}, self.feature_names)
+            new = aux_features({n: f[:, self.n_real :] for n, f in feats.items()}, self.feature_names)
             kv = d.context_kv(new.to(d.fc.weight.dtype), torch.arange(self.n_real, n_feats, device=device)[None])
-            self.kv = kv if self.kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
-                                                  for (k0, v0), (k1, v1) in zip(self.kv, kv)]
+            self.kv = (
+                kv
+                if self.kv is None
+                else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, kv)]
+            )
             self.n_real = n_feats
         # The bonus x_{n-1} (position n-1 = n_feats), then m mask slots; every slot sees all ctx and the block.
-        ids = torch.cat([tokens[:, n_feats : n_feats + 1], torch.full((1, m), self.cfg.mask_token_id, device=device)], 1)
+        ids = torch.cat(
+            [tokens[:, n_feats : n_feats + 1], torch.full((1, m), self.cfg.mask_token_id, device=device)], 1
+        )
         pos = torch.arange(n_feats, n_feats + 1 + m, device=device)[None]
         out = d.block(self.embed(ids).to(d.fc.weight.dtype), pos, self.kv)
         return self.logits(out[0, 1:])  # slot 0's output is unused
@@ -367,13 +392,19 @@ def _init_fields(config: dict) -> dict:
         return {k: own[k] for k in ("aux_layers", "block_size", "mask_token_id", "num_layers") if k in own}
     if config.get("speculators_model_type") == "dflash":
         ids = config.get("aux_hidden_state_layer_ids")
-        return {"aux_layers": None if ids is None else [i - 1 for i in ids], "block_size": config.get("block_size"),
-                "mask_token_id": config.get("mask_token_id"),
-                "num_layers": config["transformer_layer_config"].get("num_hidden_layers")}
+        return {
+            "aux_layers": None if ids is None else [i - 1 for i in ids],
+            "block_size": config.get("block_size"),
+            "mask_token_id": config.get("mask_token_id"),
+            "num_layers": config["transformer_layer_config"].get("num_hidden_layers"),
+        }
     native = config.get("dflash_config") or {}
-    return {"aux_layers": native.get("target_layer_ids"), "mask_token_id": native.get("mask_token_id"),
-            "block_size": native.get("block_size", config.get("block_size")),  # newer checkpoints nest it
-            "num_layers": config.get("num_hidden_layers")}
+    return {
+        "aux_layers": native.get("target_layer_ids"),
+        "mask_token_id": native.get("mask_token_id"),
+        "block_size": native.get("block_size", config.get("block_size")),  # newer checkpoints nest it
+        "num_layers": config.get("num_hidden_layers"),
+    }
 
 
 def from_init(cfg: DrafterConfig, init_config: dict, target_config) -> DrafterConfig:
@@ -382,8 +413,10 @@ def from_init(cfg: DrafterConfig, init_config: dict, target_config) -> DrafterCo
     found = {k: v for k, v in _init_fields(init_config).items() if v is not None}
     ids = found.get("aux_layers")
     if cfg.aux_layers and ids is not None and list(cfg.aux_layers) != list(ids):
-        raise DraftsmithError(f"drafter.aux_layers: the recipe names {list(cfg.aux_layers)} but the init_from drafter "
-                              f"was trained on layers {list(ids)} (layer outputs); drop the key or use {list(ids)}")
+        raise DraftsmithError(
+            f"drafter.aux_layers: the recipe names {list(cfg.aux_layers)} but the init_from drafter "
+            f"was trained on layers {list(ids)} (layer outputs); drop the key or use {list(ids)}"
+        )
     cfg = replace(cfg, **found)
     aux_layers(cfg, target_config)  # ids outside this target's layers fail here
     return cfg
@@ -397,21 +430,33 @@ def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out,
     from draftsmith.models.target import served_name
 
     tc = target.config
-    dims = {**llama_dims(drafter), "model_type": "qwen3", "num_hidden_layers": len(drafter.layers),
-            "attention_bias": False}
-    config = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
-              "transformer_layer_config": dims, "draft_vocab_size": tc.vocab_size,  # full vocabulary: no d2t
-              "target_hidden_size": drafter.fc.in_features // len(cfg.aux_layers), "block_size": cfg.block_size,
-              # vLLM reads layer *inputs* (hidden_states[i]); draftsmith names outputs: +1.
-              "aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layers], "mask_token_id": cfg.mask_token_id,
-              # vLLM: causal = not sliding_window_non_causal, for every layer; the block is bidirectional.
-              "sliding_window_non_causal": True, "sample_from_anchor": False,
-              "speculators_config": {
-                  "algorithm": "dflash", "default_proposal_method": "greedy",
-                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
-                  "verifier": {"name_or_path": served_name(meta["target"]),
-                               "architectures": list(tc.architectures or [])}},
-              "draftsmith": info}
+    dims = {
+        **llama_dims(drafter),
+        "model_type": "qwen3",
+        "num_hidden_layers": len(drafter.layers),
+        "attention_bias": False,
+    }
+    config = {
+        "speculators_model_type": "dflash",
+        "architectures": ["DFlashSpeculator"],
+        "transformer_layer_config": dims,
+        "draft_vocab_size": tc.vocab_size,  # full vocabulary: no d2t
+        "target_hidden_size": drafter.fc.in_features // len(cfg.aux_layers),
+        "block_size": cfg.block_size,
+        # vLLM reads layer *inputs* (hidden_states[i]); draftsmith names outputs: +1.
+        "aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layers],
+        "mask_token_id": cfg.mask_token_id,
+        # vLLM: causal = not sliding_window_non_causal, for every layer; the block is bidirectional.
+        "sliding_window_non_causal": True,
+        "sample_from_anchor": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
+            "verifier": {"name_or_path": served_name(meta["target"]), "architectures": list(tc.architectures or [])},
+        },
+        "draftsmith": info,
+    }
     write_tensors(out, config, drafter.state_dict())  # no embed_tokens / lm_head: vLLM shares the target's
 
 
@@ -420,8 +465,11 @@ EXPORTS = {"speculators": write_speculators}
 
 def recognises(config: dict, tensor_names: set[str]) -> bool:
     arch = (config.get("architectures") or ["?"])[0]
-    return config.get("speculators_model_type") == "dflash" or arch == "DFlashSpeculator" or (
-        arch == "DFlashDraftModel" and "dflash_config" in config)
+    return (
+        config.get("speculators_model_type") == "dflash"
+        or arch == "DFlashSpeculator"
+        or (arch == "DFlashDraftModel" and "dflash_config" in config)
+    )
 
 
 def read_export(path, target) -> dict[str, torch.Tensor]:
@@ -434,8 +482,11 @@ def read_export(path, target) -> dict[str, torch.Tensor]:
 
 
 def from_export(path, config: dict, cfg: DrafterConfig, target) -> DFlashDrafter:
-    return from_exported_head(build(replace(cfg, **{k: v for k, v in _init_fields(config).items() if v is not None}),
-                                    target), config, read_export(path, target))
+    return from_exported_head(
+        build(replace(cfg, **{k: v for k, v in _init_fields(config).items() if v is not None}), target),
+        config,
+        read_export(path, target),
+    )
 
 
 def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:

@@ -92,16 +92,29 @@ class DrafterConfig:
         if self.layers not in ("spaced", "first"):
             raise DraftsmithError(f"drafter.layers: expected spaced or first, got {self.layers!r}")
         if self.num_layers < 1 or self.intermediate_size < 0 or self.temperature <= 0 or not 0 < self.beta < 1:
-            raise DraftsmithError(f"drafter: expected num_layers >= 1, temperature > 0 and 0 < beta < 1, got "
-                                  f"{self.num_layers}, {self.temperature}, {self.beta}")
+            raise DraftsmithError(
+                f"drafter: expected num_layers >= 1, temperature > 0 and 0 < beta < 1, got "
+                f"{self.num_layers}, {self.temperature}, {self.beta}"
+            )
         if self.offline_topk < 0 or (self.offline_topk and self.temperature != 1.0):
-            raise DraftsmithError("drafter.offline_topk: expected K >= 0, with temperature 1.0 (the cached "
-                                  "log-sum-exp is the temperature-1 one)")
+            raise DraftsmithError(
+                "drafter.offline_topk: expected K >= 0, with temperature 1.0 (the cached "
+                "log-sum-exp is the temperature-1 one)"
+            )
         if not 0 <= self.onpolicy_fraction <= 1:
-            raise DraftsmithError(f"drafter.onpolicy_fraction: expected a fraction in [0, 1], got {self.onpolicy_fraction}")
-        if self.onpolicy_every < 1 or self.onpolicy_max_new_tokens < 1 or self.onpolicy_temperature < 0 or self.lora_rank < 0:
-            raise DraftsmithError("drafter: expected onpolicy_every >= 1, onpolicy_max_new_tokens >= 1, "
-                                  "onpolicy_temperature >= 0 and lora_rank >= 0")
+            raise DraftsmithError(
+                f"drafter.onpolicy_fraction: expected a fraction in [0, 1], got {self.onpolicy_fraction}"
+            )
+        if (
+            self.onpolicy_every < 1
+            or self.onpolicy_max_new_tokens < 1
+            or self.onpolicy_temperature < 0
+            or self.lora_rank < 0
+        ):
+            raise DraftsmithError(
+                "drafter: expected onpolicy_every >= 1, onpolicy_max_new_tokens >= 1, "
+                "onpolicy_temperature >= 0 and lora_rank >= 0"
+            )
 
 
 def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
@@ -154,12 +167,16 @@ def check_tokenizer(student_path: str, target) -> None:
     a, b = mine.get_vocab(), theirs.get_vocab()
     diff = next((t for t in sorted(set(a) | set(b), key=lambda t: b.get(t, a.get(t))) if a.get(t) != b.get(t)), None)
     if diff is not None:
-        raise DraftsmithError(f"drafter.init {student_path}: tokenizer differs from the target's: token {diff!r} is id "
-                              f"{a.get(diff)} in the student and {b.get(diff)} in the target")
+        raise DraftsmithError(
+            f"drafter.init {student_path}: tokenizer differs from the target's: token {diff!r} is id "
+            f"{a.get(diff)} in the student and {b.get(diff)} in the target"
+        )
     for attr in ("bos_token", "eos_token", "pad_token", "unk_token"):
         if getattr(mine, attr) != getattr(theirs, attr):
-            raise DraftsmithError(f"drafter.init {student_path}: {attr} is {getattr(mine, attr)!r} in the student and "
-                                  f"{getattr(theirs, attr)!r} in the target")
+            raise DraftsmithError(
+                f"drafter.init {student_path}: {attr} is {getattr(mine, attr)!r} in the student and "
+                f"{getattr(theirs, attr)!r} in the target"
+            )
 
 
 def build(cfg: DrafterConfig, target, dataset=None):
@@ -184,8 +201,10 @@ def build(cfg: DrafterConfig, target, dataset=None):
         student = get_peft_model(student, lora_config(cfg, student))
     if dataset is not None:  # training: say what the student is and what one of its forwards costs
         n = sum(p.numel() for p in student.parameters())
-        print(f"student: {n / 1e6:.1f}M parameters ({student.config.num_hidden_layers} layers), "
-              f"cost ratio c = {cost_ratio(student, target):.2f} (one-token forward vs the target's, measured)")
+        print(
+            f"student: {n / 1e6:.1f}M parameters ({student.config.num_hidden_layers} layers), "
+            f"cost ratio c = {cost_ratio(student, target):.2f} (one-token forward vs the target's, measured)"
+        )
     return student
 
 
@@ -193,6 +212,7 @@ def build(cfg: DrafterConfig, target, dataset=None):
 def cost_ratio(student, target, context: int = 64, reps: int = 5) -> float:
     """c = student forward time / target forward time for one new token on a `context`-token KV
     cache: the price of one draft token in target forwards (DistillSpec's c)."""
+
     def median_s(model):
         was_training = model.training
         model.eval()
@@ -237,8 +257,14 @@ def compute_loss(student, target, batch: dict, feats: dict, cfg: DrafterConfig, 
         # On-policy: the student answers some prompts itself; the target scores those answers, so
         # its features are computed here for the new batch (a cache holds the dataset's answers only).
         core = getattr(student, "module", student)  # generation runs outside DDP's forward
-        batch = on_policy_batch(core, batch, round(cfg.onpolicy_fraction * len(batch["input_ids"])),
-                                cfg.onpolicy_max_new_tokens, cfg.onpolicy_temperature, target)
+        batch = on_policy_batch(
+            core,
+            batch,
+            round(cfg.onpolicy_fraction * len(batch["input_ids"])),
+            cfg.onpolicy_max_new_tokens,
+            cfg.onpolicy_temperature,
+            target,
+        )
         with torch.no_grad():
             feats = target_features(target, batch, feature_names(cfg, target.config))
     ids, lmask = batch["input_ids"], batch["loss_mask"].bool()
@@ -257,9 +283,11 @@ def compute_loss(student, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     kwargs = {"beta": cfg.beta} if cfg.divergence == "jsd" else {}
     loss = DIVERGENCES[cfg.divergence](logits, teacher, mask, temperature=cfg.temperature, **kwargs)
     with torch.no_grad():
-        metrics = {"acc": (logits.argmax(-1) == teacher.argmax(-1)).float().sum(),
-                   # 1 - TVD at temperature 1: the expected acceptance of a sampled draft token
-                   "accept": expected_acceptance(logits.detach(), teacher, mask)}
+        metrics = {
+            "acc": (logits.argmax(-1) == teacher.argmax(-1)).float().sum(),
+            # 1 - TVD at temperature 1: the expected acceptance of a sampled draft token
+            "accept": expected_acceptance(logits.detach(), teacher, mask),
+        }
     return loss, mask.sum(), metrics
 
 
@@ -291,10 +319,17 @@ def on_policy_batch(student, batch: dict, rows: int, max_new_tokens: int, temper
         ids, mask = batch["input_ids"][i][real].tolist(), batch["loss_mask"][i][real].tolist()
         if i < rows:
             prompt = ids[: mask.index(1) if 1 in mask else len(ids)]
-            sample = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
-            out = student.generate(torch.tensor([prompt], device=batch["input_ids"].device), max_new_tokens=max_new_tokens,
-                                   eos_token_id=eos, pad_token_id=target.config.pad_token_id, **sample)
-            answer = out[0, len(prompt):].tolist()
+            sample = (
+                dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
+            )
+            out = student.generate(
+                torch.tensor([prompt], device=batch["input_ids"].device),
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=target.config.pad_token_id,
+                **sample,
+            )
+            answer = out[0, len(prompt) :].tolist()
             ids, mask = prompt + answer, [0] * len(prompt) + [1] * len(answer)
         examples.append({"input_ids": ids, "loss_mask": mask, "idx": int(batch["idx"][i]) if "idx" in batch else i})
     student.train(was_training)
@@ -311,6 +346,7 @@ SERVE_FORMAT, vllm_serving = "hf", vllm_method("draft_model")
 
 
 # --- format: a plain transformers folder (vLLM/SGLang draft model, transformers `assistant_model`) ---
+
 
 def write_hf(student, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
     """The student's weights, config and generation config with the target's tokenizer (`tok`);
@@ -347,20 +383,25 @@ consumer_check = no_consumer_check  # no engine-side loader of its formats runs 
 
 
 def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
-    return (f"```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-            f"tok = AutoTokenizer.from_pretrained(\"{target}\")\n"
-            f"target = AutoModelForCausalLM.from_pretrained(\"{target}\")\n"
-            f"student = AutoModelForCausalLM.from_pretrained(\"{repo_id}\")\n"
-            f"out = target.generate(**tok(\"def fib(n):\", return_tensors=\"pt\"), assistant_model=student,\n"
-            f"                      max_new_tokens=64, do_sample=False)\n```\n"
-            f"vLLM: {vllm_snippet('draft_model', repo_id, target, k)}")
+    return (
+        f"```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f'tok = AutoTokenizer.from_pretrained("{target}")\n'
+        f'target = AutoModelForCausalLM.from_pretrained("{target}")\n'
+        f'student = AutoModelForCausalLM.from_pretrained("{repo_id}")\n'
+        f'out = target.generate(**tok("def fib(n):", return_tensors="pt"), assistant_model=student,\n'
+        f"                      max_new_tokens=64, do_sample=False)\n```\n"
+        f"vLLM: {vllm_snippet('draft_model', repo_id, target, k)}"
+    )
 
 
 def activation_bytes(cfg: DrafterConfig, tc, student, batch: int, length: int, elem: int) -> int:
     """`plan`: the student's layers at its own width (a hub student is narrower than the target); its
     logits, their log-softmax and the divergence's terms, the teacher's."""
     sc, n = student.config, batch * length
-    return n * sc.num_hidden_layers * layer_activation_bytes(sc.hidden_size, sc.intermediate_size, elem) + n * 4 * 7 * tc.vocab_size
+    return (
+        n * sc.num_hidden_layers * layer_activation_bytes(sc.hidden_size, sc.intermediate_size, elem)
+        + n * 4 * 7 * tc.vocab_size
+    )
 
 
 DEFAULT_TREE = None  # benchmarks' tree: none, a student drafts chains

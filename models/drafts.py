@@ -76,8 +76,9 @@ class Draft:
         keep = sorted(keep)
         new_index = {old: new for new, old in enumerate(keep)}
         new_index[-1] = -1
-        return Draft([self.tokens[i] for i in keep], [new_index[self.parents[i]] for i in keep],
-                     [self.qs[i] for i in keep])
+        return Draft(
+            [self.tokens[i] for i in keep], [new_index[self.parents[i]] for i in keep], [self.qs[i] for i in keep]
+        )
 
 
 @dataclass
@@ -100,8 +101,10 @@ def parse_tree(text: str, where: str = "--tree") -> TreeSpec:
         for item in filter(None, rest.split(",")):
             key, _, value = item.partition("=")
             if key not in ("depth", "top_k", "tokens") or not value.isdigit() or int(value) < 1:
-                raise DraftsmithError(f"{where}: bad item '{item}' in '{text}'; expected depth=, top_k=, tokens= "
-                                      "with positive integers, e.g. dynamic:depth=5,top_k=8,tokens=48")
+                raise DraftsmithError(
+                    f"{where}: bad item '{item}' in '{text}'; expected depth=, top_k=, tokens= "
+                    "with positive integers, e.g. dynamic:depth=5,top_k=8,tokens=48"
+                )
             setattr(spec, key, int(value))
         return spec
     if kind == "static":
@@ -109,16 +112,26 @@ def parse_tree(text: str, where: str = "--tree") -> TreeSpec:
         try:
             paths = [tuple(p) for p in json.loads(source)]
         except (json.JSONDecodeError, TypeError):
-            raise DraftsmithError(f"{where}: static tree '{rest}' is not a JSON list of paths (or a .json file "
-                                  "holding one), e.g. static:[[0],[1],[0,0]]") from None
+            raise DraftsmithError(
+                f"{where}: static tree '{rest}' is not a JSON list of paths (or a .json file "
+                "holding one), e.g. static:[[0],[1],[0,0]]"
+            ) from None
         ok = paths and all(p and all(isinstance(r, int) and r >= 0 for r in p) for p in paths)
         missing = [p for p in paths if len(p) > 1 and p[:-1] not in set(paths)]
         if not ok or missing:
-            raise DraftsmithError(f"{where}: static tree paths must be non-empty lists of ranks >= 0 whose "
-                                  f"prefixes are also paths (missing parent of {list(missing[0]) if missing else '?'})")
+            raise DraftsmithError(
+                f"{where}: static tree paths must be non-empty lists of ranks >= 0 whose "
+                f"prefixes are also paths (missing parent of {list(missing[0]) if missing else '?'})"
+            )
         paths = sorted(set(paths), key=lambda p: (len(p), p))
-        return TreeSpec("static", depth=max(map(len, paths)), top_k=1 + max(max(p) for p in paths),
-                        tokens=len(paths), paths=paths, text=text)
+        return TreeSpec(
+            "static",
+            depth=max(map(len, paths)),
+            top_k=1 + max(max(p) for p in paths),
+            tokens=len(paths),
+            paths=paths,
+            text=text,
+        )
     raise DraftsmithError(f"{where}: expected 'dynamic[:depth=D,top_k=K,tokens=N]' or 'static:PATHS', got '{text}'")
 
 

@@ -70,7 +70,10 @@ def layer_config(target_config) -> LlamaConfig:
     """A one-layer Llama config with the target's dimensions (what vLLM/SGLang EAGLE heads use)."""
     c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     heads = c.num_attention_heads
-    rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}
+    rope = getattr(c, "rope_parameters", None) or {
+        "rope_type": "default",
+        "rope_theta": getattr(c, "rope_theta", 10000.0),
+    }
     cfg = LlamaConfig(
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
@@ -111,8 +114,14 @@ class EagleDrafter(nn.Module):
         dtype = self.fc.weight.dtype
         x = self.fc(torch.cat([token_embeds.to(dtype), features.to(dtype)], dim=-1))
         pos_emb = self.rotary(x, position_ids)
-        return self.layer(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                          use_cache=cache is not None, position_embeddings=pos_emb)
+        return self.layer(
+            x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=pos_emb,
+        )
 
     def forward(self, features, embeds, padding, steps: int = 1):
         """The training pass, unrolled `steps` times in one call (one forward per backward for DDP).
@@ -127,8 +136,9 @@ class EagleDrafter(nn.Module):
         cache = DynamicCache() if steps > 1 else None
         hidden, outs = features, []
         for j in range(steps):
-            hidden = self.step(hidden, embeds[:, j : j + t], (roots + j)[None].expand(bsz, -1),
-                               ttt_mask(t, j, padding), cache)
+            hidden = self.step(
+                hidden, embeds[:, j : j + t], (roots + j)[None].expand(bsz, -1), ttt_mask(t, j, padding), cache
+            )
             outs.append(hidden)
         return outs
 
@@ -197,8 +207,14 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
 
 
 def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
-    return FeatureProposer(drafter, target, FEATURES, to_hidden=lambda feats: feats["last_hidden"], step=drafter.step,
-                         logits=target.get_output_embeddings())
+    return FeatureProposer(
+        drafter,
+        target,
+        FEATURES,
+        to_hidden=lambda feats: feats["last_hidden"],
+        step=drafter.step,
+        logits=target.get_output_embeddings(),
+    )
 
 
 # The drafter is one module trained at optim.lr, and the target it reads stays frozen.
@@ -212,14 +228,20 @@ SERVE_FORMAT, vllm_serving = "vllm", vllm_method("eagle")
 
 # --- formats: vLLM `EagleLlamaForCausalLM` and SGLang `LlamaForCausalLMEagle` load the same folder ---
 
+
 def write_export(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
     """A one-layer Llama checkpoint: fc + layers.0.* (no input_layernorm, no embeddings, no lm_head:
     the engines take the target's)."""
     state = renamed(drafter.state_dict(), "layer.", "layers.0.")
     # SGLang's EAGLE fc has a bias; vLLM's does not (and skips fc.bias). A zero bias serves both.
     state["fc.bias"] = torch.zeros(drafter.config.hidden_size)
-    config = {"architectures": ["LlamaForCausalLM"], **llama_dims(drafter), "bias": False,
-              "tie_word_embeddings": False, "draftsmith": info}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        **llama_dims(drafter),
+        "bias": False,
+        "tie_word_embeddings": False,
+        "draftsmith": info,
+    }
     write_tensors(out, config, state)
 
 
@@ -229,7 +251,9 @@ EXPORTS = {"vllm": write_export, "sglang": write_export}
 def recognises(config: dict, tensor_names: set[str]) -> bool:
     """The engines' EAGLE-1 architectures, or a one-layer Llama with an `fc` (how EAGLE-1 heads are published)."""
     arch = (config.get("architectures") or ["?"])[0]
-    return arch in ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle") or (arch.endswith("ForCausalLM") and "fc.weight" in tensor_names)
+    return arch in ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle") or (
+        arch.endswith("ForCausalLM") and "fc.weight" in tensor_names
+    )
 
 
 def read_export(path, target) -> dict[str, torch.Tensor]:
@@ -266,15 +290,19 @@ def unroll_activation_bytes(tc, batch: int, length: int, elem: int, steps: int, 
     # the target's draft-vocab distribution and one copy per step's labels; per step the logits,
     # softmax, log-softmax kept for backward; one transient product; the TTT masks (one [t, t(j+1)]
     # block row per step, materialised in the activation dtype by SDPA)
-    unroll = n * f * vocab * (2 + 4 * steps) + n * steps * layer + elem * batch * length * length * steps * (steps + 1) // 2
+    unroll = (
+        n * f * vocab * (2 + 4 * steps) + n * steps * layer + elem * batch * length * length * steps * (steps + 1) // 2
+    )
     # ... unless the teacher's pass before it is higher: one full-vocabulary chunk of 4096 rows
     return max(unroll, f * (min(n, 4096) * tc.vocab_size + 2 * n * vocab))
 
 
 def sglang_snippet(algorithm: str, repo_id: str, target: str, k: int) -> str:
-    return (f"```bash\npython -m sglang.launch_server --model {target} --speculative-algorithm {algorithm} \\\n"
-            f"  --speculative-draft-model-path {repo_id} --speculative-num-steps {k} \\\n"
-            f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}\n```")
+    return (
+        f"```bash\npython -m sglang.launch_server --model {target} --speculative-algorithm {algorithm} \\\n"
+        f"  --speculative-draft-model-path {repo_id} --speculative-num-steps {k} \\\n"
+        f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}\n```"
+    )
 
 
 DEFAULT_TREE = "dynamic:depth=3,top_k=3,tokens=8"  # benchmarks' tree (EAGLE-2 dynamic)

@@ -84,8 +84,10 @@ class DrafterConfig:
     def __post_init__(self):
         check_loss(self.loss, "drafter.loss", TOKEN_LOSSES)
         if self.fc_norm and self.norm_before_fc:
-            raise DraftsmithError("drafter.fc_norm and drafter.norm_before_fc: choose one (speculators refuses both; "
-                                  "norm_before_fc normalises the concat, fc_norm each layer)")
+            raise DraftsmithError(
+                "drafter.fc_norm and drafter.norm_before_fc: choose one (speculators refuses both; "
+                "norm_before_fc normalises the concat, fc_norm each layer)"
+            )
 
 
 SWITCHES = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE-3.1, under speculators' and vLLM's names
@@ -111,9 +113,13 @@ def aux_layers(cfg: DrafterConfig, target_config) -> list[int]:
     # lists them in, so a drafter that fused them in another order would silently get other features.
     # (A repeated id, which only tiny test targets need, fails loudly there: one state short.)
     if bad or len(layers) != 3 or layers != sorted(layers):
-        default = "" if cfg.aux_layers else f" (the default for {n} layers; set drafter.aux_layers for so shallow a target)"
-        raise DraftsmithError(f"drafter.aux_layers: expected 3 layer ids in [0, {n - 1}], in increasing order, for "
-                              f"this target (vLLM concatenates them in layer order), got {layers}{default}")
+        default = (
+            "" if cfg.aux_layers else f" (the default for {n} layers; set drafter.aux_layers for so shallow a target)"
+        )
+        raise DraftsmithError(
+            f"drafter.aux_layers: expected 3 layer ids in [0, {n - 1}], in increasing order, for "
+            f"this target (vLLM concatenates them in layer order), got {layers}{default}"
+        )
     return layers
 
 
@@ -125,8 +131,10 @@ def exported_aux_layers(config: dict, target_config) -> list[int] | None:
     if "draftsmith_format" in config:
         ids = config["drafter_config"].get("aux_layers")
         if ids is None and config["draftsmith_format"] < 2:  # saved before defaults were resolved into it
-            raise DraftsmithError("an EAGLE-3 final/ of draftsmith format 1 names no aux_layers: its default layers "
-                                  "were [2, L//2, L-3]; write them into drafter_config.aux_layers of its config.json")
+            raise DraftsmithError(
+                "an EAGLE-3 final/ of draftsmith format 1 names no aux_layers: its default layers "
+                "were [2, L//2, L-3]; write them into drafter_config.aux_layers of its config.json"
+            )
         return None if ids is None else list(ids)
     nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if nested is not None:
@@ -155,8 +163,10 @@ def from_init(cfg: DrafterConfig, init_config: dict, target_config) -> DrafterCo
     if ids is None:
         return cfg
     if cfg.aux_layers and list(cfg.aux_layers) != ids:
-        raise DraftsmithError(f"drafter.aux_layers: the recipe names {list(cfg.aux_layers)} but the init_from head "
-                              f"was trained on layers {ids} (layer outputs); drop the key or use {ids}")
+        raise DraftsmithError(
+            f"drafter.aux_layers: the recipe names {list(cfg.aux_layers)} but the init_from head "
+            f"was trained on layers {ids} (layer outputs); drop the key or use {ids}"
+        )
     cfg = replace(cfg, aux_layers=ids)
     aux_layers(cfg, target_config)  # ids outside this target's layers fail here
     return cfg
@@ -169,8 +179,16 @@ def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
 
 
 class Eagle3Drafter(nn.Module):
-    def __init__(self, config, draft_vocab: int, target_vocab: int, n_aux: int = 3, norm_before_fc: bool = False,
-                 fc_norm: bool = False, norm_output: bool = False):
+    def __init__(
+        self,
+        config,
+        draft_vocab: int,
+        target_vocab: int,
+        n_aux: int = 3,
+        norm_before_fc: bool = False,
+        fc_norm: bool = False,
+        norm_output: bool = False,
+    ):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.config = config
@@ -211,8 +229,9 @@ class Eagle3Drafter(nn.Module):
         [B, T, H]; token_embeds: [B, T, H] -> output hidden [B, T, H]."""
         layer = self.midlayer
         x = torch.cat([layer.input_layernorm(token_embeds), layer.hidden_norm(hidden)], dim=-1)
-        attn, _ = layer.self_attn(x, position_embeddings=self.rotary(hidden, position_ids),
-                                  attention_mask=attention_mask, cache=cache)
+        attn, _ = layer.self_attn(
+            x, position_embeddings=self.rotary(hidden, position_ids), attention_mask=attention_mask, cache=cache
+        )
         h = hidden + attn  # the residual stream is the hidden state, not the embedding
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -228,8 +247,15 @@ class Eagle3Drafter(nn.Module):
         hidden, cache, logits = self.fuse(aux), DynamicCache(), []
         for j, (b_idx, r_idx) in enumerate(selections):
             # Step j of chain r: input token t_{r+j+1} at position r+j, predicting t_{r+j+2}.
-            out = self.carry(self.step(hidden, embeds[:, j : j + t], (roots + j)[None].expand(bsz, -1),
-                                       ttt_mask(t, j, padding), cache=cache))
+            out = self.carry(
+                self.step(
+                    hidden,
+                    embeds[:, j : j + t],
+                    (roots + j)[None].expand(bsz, -1),
+                    ttt_mask(t, j, padding),
+                    cache=cache,
+                )
+            )
             logits.append(self.draft_logits(out[b_idx, r_idx]))
             hidden = out  # the next step feeds the drafter's own output, as at inference
         return logits
@@ -258,8 +284,12 @@ def build(cfg: DrafterConfig, target, dataset=None, drafter_class=None) -> Eagle
     tc = target.config
     # The saved config names the exact layers, whatever the default is when it is read back.
     cfg.aux_layers = aux_layers(cfg, tc)
-    drafter = (drafter_class or Eagle3Drafter)(layer_config(tc), min(cfg.draft_vocab_size, tc.vocab_size), tc.vocab_size,
-                                               **{k: getattr(cfg, k, False) for k in SWITCHES})
+    drafter = (drafter_class or Eagle3Drafter)(
+        layer_config(tc),
+        min(cfg.draft_vocab_size, tc.vocab_size),
+        tc.vocab_size,
+        **{k: getattr(cfg, k, False) for k in SWITCHES},
+    )
     if dataset is not None:
         ids = draft_vocab(dataset, tc.vocab_size, cfg.draft_vocab_size)
         drafter.d2t.copy_(ids - torch.arange(len(ids)))  # target id = draft id + d2t[draft id]
@@ -287,7 +317,8 @@ def teacher_rows(core, lm_head, ids, lmask, last):
     keep [rows]: 1 where the target's argmax is in the draft vocabulary, where EAGLE-3 trains)."""
     need = torch.nn.functional.pad(lmask[:, 1:].bool(), (0, 1))  # [B, T]: the last position labels nothing
     row_of, (logits, keep) = target_label_rows(
-        lm_head, last, need, lambda full: (full[:, core.t2d], core.t2d[full.argmax(-1)].float()))
+        lm_head, last, need, lambda full: (full[:, core.t2d], core.t2d[full.argmax(-1)].float())
+    )
     return row_of, logits, keep
 
 
@@ -325,7 +356,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
         loss = TOKEN_LOSSES[cfg.loss](s_logits, t_draft, keep)
         if cfg.hass:  # the target's top-k among draft-vocab tokens
             loss = loss + cfg.hass_topk_weight * topk_distillation_loss(s_logits, t_draft, keep, cfg.hass_topk)
-        total = total + cfg.step_decay ** j * loss
+        total = total + cfg.step_decay**j * loss
         hits = ((s_logits.argmax(-1) == t_draft.argmax(-1)).float() * keep).sum().detach()
         metrics["acc" if j == 0 else f"acc{j}"] = hits
     return total, labels[0][1].sum().long(), metrics
@@ -334,7 +365,9 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
 def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
     names = feature_names(cfg, target.config)
     return FeatureProposer(
-        drafter, target, names,
+        drafter,
+        target,
+        names,
         to_hidden=lambda feats: drafter.fuse(aux_features(feats, names)),
         # The proposer keeps each node's carried output: its children's hidden input and its logits.
         step=lambda *args: drafter.carry(drafter.step(*args)),
@@ -355,19 +388,27 @@ SERVE_FORMAT, vllm_serving = "speculators", vllm_method("eagle3")
 # `sglang` (= `vllm`): the official EAGLE-3 / SGLang / vLLM `LlamaForCausalLMEagle3` checkpoint;
 # `speculators`: vLLM speculators' `Eagle3Speculator`, which vLLM serves on its own.
 
+
 def write_sglang(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
     on = [k for k in SWITCHES if getattr(cfg, k)]
     if on:  # SGLang's `norm_output` means something else (where the final norm sits), and it has no norm_before_fc
-        raise DraftsmithError(f"export: an EAGLE-3.1 head ({', '.join(on)}) exports only as --format speculators, "
-                              "whose config vLLM reads the switches from")
+        raise DraftsmithError(
+            f"export: an EAGLE-3.1 head ({', '.join(on)}) exports only as --format speculators, "
+            "whose config vLLM reads the switches from"
+        )
     ids = aux_layers(cfg, target.config)
-    config = {"architectures": ["LlamaForCausalLMEagle3"], **llama_dims(drafter),
-              "draft_vocab_size": drafter.lm_head.out_features, "tie_word_embeddings": False,
-              "target_hidden_size": drafter.config.hidden_size,
-              # SGLang reads the nested ids (layer outputs) and adds 1; vLLM reads top-level ids as
-              # layer *inputs* with no +1. Top-level = nested + 1 makes both tap the same layers.
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-              "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids], "draftsmith": info}
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **llama_dims(drafter),
+        "draft_vocab_size": drafter.lm_head.out_features,
+        "tie_word_embeddings": False,
+        "target_hidden_size": drafter.config.hidden_size,
+        # SGLang reads the nested ids (layer outputs) and adds 1; vLLM reads top-level ids as
+        # layer *inputs* with no +1. Top-level = nested + 1 makes both tap the same layers.
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids],
+        "draftsmith": info,
+    }
     write_tensors(out, config, drafter.state_dict())
 
 
@@ -378,21 +419,36 @@ def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out,
     # vLLM keeps a drafter's own embed_tokens when it differs from the target's, so ship the
     # target's own (never random) embeddings.
     state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
-    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-              "draft_vocab_size": drafter.lm_head.out_features, "norm_before_residual": False,
-              # Top level: vLLM reads the switches only here (inside transformer_layer_config they
-              # are reset to False, and an input_norm tensor is then dropped without an error).
-              **{k: getattr(cfg, k, False) for k in SWITCHES},
-              "target_hidden_size": drafter.config.hidden_size,
-              "eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux_layers(cfg, target.config)],  # layer inputs
-              "speculators_config": {
-                  "algorithm": "eagle3", "default_proposal_method": "greedy",
-                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": meta.get("k", 5),
-                                        "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-                  # A name vLLM and speculators resolve, never draftsmith's own alias.
-                  "verifier": {"name_or_path": served_name(meta["target"]),
-                               "architectures": list(target.config.architectures or [])}},
-              "transformer_layer_config": llama_dims(drafter), "draftsmith": info}
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "draft_vocab_size": drafter.lm_head.out_features,
+        "norm_before_residual": False,
+        # Top level: vLLM reads the switches only here (inside transformer_layer_config they
+        # are reset to False, and an input_norm tensor is then dropped without an error).
+        **{k: getattr(cfg, k, False) for k in SWITCHES},
+        "target_hidden_size": drafter.config.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux_layers(cfg, target.config)],  # layer inputs
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": meta.get("k", 5),
+                    "accept_tolerance": 0.0,
+                    "verifier_accept_k": 1,
+                }
+            ],
+            # A name vLLM and speculators resolve, never draftsmith's own alias.
+            "verifier": {
+                "name_or_path": served_name(meta["target"]),
+                "architectures": list(target.config.architectures or []),
+            },
+        },
+        "transformer_layer_config": llama_dims(drafter),
+        "draftsmith": info,
+    }
     write_tensors(out, config, state)
 
 
@@ -410,7 +466,9 @@ def read_export(path, target) -> dict[str, torch.Tensor]:
 
 
 def from_export(path, config: dict, cfg: DrafterConfig, target) -> Eagle3Drafter:
-    return from_exported_head(build(replace(cfg, **exported_switches(config)), target), config, read_export(path, target))
+    return from_exported_head(
+        build(replace(cfg, **exported_switches(config)), target), config, read_export(path, target)
+    )
 
 
 # The target is never trained: it is its own original (Medusa-2 differs).
@@ -420,7 +478,9 @@ trains_target, original = trains_target_never, target_as_original
 def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
     if fmt == "speculators":
         return f"```bash\nvllm serve {repo_id}   # the speculators config names the verifier, {target}\n```"
-    return sglang_snippet("EAGLE3", repo_id, target, k) if fmt == "sglang" else vllm_snippet("eagle3", repo_id, target, k)
+    return (
+        sglang_snippet("EAGLE3", repo_id, target, k) if fmt == "sglang" else vllm_snippet("eagle3", repo_id, target, k)
+    )
 
 
 def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, elem: int) -> int:
@@ -475,14 +535,27 @@ def speculators_load_check(exported: Path) -> tuple[dict, object]:
         try:
             model = SpeculatorModel.from_pretrained(tmp)
         except Exception as e:  # the consumer refuses the folder: that is the finding
-            return {"checked": True, "version": version("speculators"), "passed": False,
-                    "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}, None
+            return {
+                "checked": True,
+                "version": version("speculators"),
+                "passed": False,
+                "error": f"{type(e).__name__}: {str(e).splitlines()[0]}",
+            }, None
     loaded, stored = model.state_dict(), load_file(exported / "model.safetensors")
     unused = sorted(set(stored) - set(loaded))
-    diff = max(((loaded[n].float() - t.float()).abs().max().item() for n, t in stored.items() if n in loaded), default=0.0)
-    return {"checked": True, "version": version("speculators"), "class": type(model).__name__,
-            "tensors": len(stored), "unused_tensors": unused, "max_abs_diff": diff,
-            "from_verifier": sorted(set(loaded) - set(stored)), "passed": not unused and diff == 0.0}, model
+    diff = max(
+        ((loaded[n].float() - t.float()).abs().max().item() for n, t in stored.items() if n in loaded), default=0.0
+    )
+    return {
+        "checked": True,
+        "version": version("speculators"),
+        "class": type(model).__name__,
+        "tensors": len(stored),
+        "unused_tensors": unused,
+        "max_abs_diff": diff,
+        "from_verifier": sorted(set(loaded) - set(stored)),
+        "passed": not unused and diff == 0.0,
+    }, model
 
 
 @torch.no_grad()
@@ -501,14 +574,19 @@ def speculators_forward_check(model, target, ours, prompt_ids: list[list[int]]) 
         ids = model.config.eagle_aux_hidden_state_layer_ids
         names = tuple(dict.fromkeys([*ours.feature_names, *(f"hidden.{i - 1}" for i in ids if i > 0)]))
         feats = {n: f.float() for n, f in target_features(target, {"input_ids": x[:, :t]}, names).items()}
-        aux = torch.cat([feats[f"hidden.{i - 1}"] if i > 0 else target.get_input_embeddings()(x[:, :t]).float()
-                         for i in ids], dim=-1)
+        aux = torch.cat(
+            [feats[f"hidden.{i - 1}"] if i > 0 else target.get_input_embeddings()(x[:, :t]).float() for i in ids],
+            dim=-1,
+        )
         try:
             small = _speculators_first_step(model, aux, nxt, pos)
         except Exception as e:  # speculators cannot run the folder: that is the finding
             return {"passed": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-        mine.append(ours.logits(ours.step(ours.to_hidden(feats), ours.embed(nxt).float(), pos,
-                                          causal_mask(t, t, device=device), None))[0])
+        mine.append(
+            ours.logits(
+                ours.step(ours.to_hidden(feats), ours.embed(nxt).float(), pos, causal_mask(t, t, device=device), None)
+            )[0]
+        )
         theirs.append(_to_target_vocab(small, model.d2t, mine[-1].shape[-1]))
     a, b = torch.cat(mine), torch.cat(theirs)
     diff, argmax = logit_diff(a, b), (a.argmax(-1) == b.argmax(-1)).float().mean().item()
@@ -517,8 +595,14 @@ def speculators_forward_check(model, target, ours, prompt_ids: list[list[int]]) 
         why.append(f"argmax agreement {argmax:.1%} < 100%")
     if not diff <= SPECULATORS_TOL:  # nan fails too
         why.append(f"max |Δ logits| {diff:.1e} > {SPECULATORS_TOL:.0e}")
-    return {"rows": len(a), "max_abs_logit_diff": diff, "logit_argmax_agreement": round(argmax, 4),
-            "tolerance": SPECULATORS_TOL, "passed": not why, **({"why": "; ".join(why)} if why else {})}
+    return {
+        "rows": len(a),
+        "max_abs_logit_diff": diff,
+        "logit_argmax_agreement": round(argmax, 4),
+        "tolerance": SPECULATORS_TOL,
+        "passed": not why,
+        **({"why": "; ".join(why)} if why else {}),
+    }
 
 
 def _speculators_first_step(model, aux: torch.Tensor, next_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -530,8 +614,13 @@ def _speculators_first_step(model, aux: torch.Tensor, next_ids: torch.Tensor, po
     try:
         with warnings.catch_warnings():  # flex attention without torch.compile: slow, not wrong
             warnings.simplefilter("ignore")
-            model(hidden_states=aux, input_ids=next_ids, document_ids=torch.zeros_like(next_ids), position_ids=pos,
-                  ttt_steps=1)
+            model(
+                hidden_states=aux,
+                input_ids=next_ids,
+                document_ids=torch.zeros_like(next_ids),
+                position_ids=pos,
+                ttt_steps=1,
+            )
     finally:
         hook.remove()
     return grab[0]

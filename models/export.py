@@ -27,11 +27,18 @@ def export(drafter_dir: str | Path, target, fmt: str, out: str | Path, tok=None)
 
     module, cfg, drafter = load_drafter(drafter_dir, target)  # checks the target fingerprint
     if fmt not in module.EXPORTS:
-        raise DraftsmithError(f"--format {fmt}: a {module.NAME} drafter exports to {', '.join(module.EXPORTS) or 'nothing yet'}")
+        raise DraftsmithError(
+            f"--format {fmt}: a {module.NAME} drafter exports to {', '.join(module.EXPORTS) or 'nothing yet'}"
+        )
     meta = json.loads((Path(drafter_dir) / "config.json").read_text())
     # Where the export came from, in its config.json (engines ignore unknown keys).
-    info = {"drafter": module.NAME, "format": fmt, "target": meta["target"],
-            "target_fingerprint": meta["target_fingerprint"], "drafter_config": meta["drafter_config"]}
+    info = {
+        "drafter": module.NAME,
+        "format": fmt,
+        "target": meta["target"],
+        "target_fingerprint": meta["target_fingerprint"],
+        "drafter_config": meta["drafter_config"],
+    }
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -59,8 +66,10 @@ def export_family(path: str | Path) -> str:
     for module in DRAFTERS.values():
         if module.recognises(config, names):
             return module.NAME
-    raise DraftsmithError(f"{path}/config.json: unknown export format (architectures {config.get('architectures')}); "
-                          f"expected an export of one of {', '.join(DRAFTERS)}")
+    raise DraftsmithError(
+        f"{path}/config.json: unknown export format (architectures {config.get('architectures')}); "
+        f"expected an export of one of {', '.join(DRAFTERS)}"
+    )
 
 
 def read_export(path: str | Path, family: str, target) -> dict[str, torch.Tensor]:
@@ -121,11 +130,15 @@ def init_weights(drafter, family: str, path: str | Path, target, allow_stale: bo
     own = dest.state_dict()
     for name, tensor in state.items():
         if name not in own:
-            raise DraftsmithError(f"init_from {path}: tensor '{name}' has no place in a {family} drafter built from "
-                                  f"this recipe (e.g. {next(iter(own))})")
+            raise DraftsmithError(
+                f"init_from {path}: tensor '{name}' has no place in a {family} drafter built from "
+                f"this recipe (e.g. {next(iter(own))})"
+            )
         if own[name].shape != tensor.shape:
-            raise DraftsmithError(f"init_from {path}: tensor '{name}' is {tuple(tensor.shape)} there but "
-                                  f"{tuple(own[name].shape)} in this recipe's drafter; match the drafter keys of the init")
+            raise DraftsmithError(
+                f"init_from {path}: tensor '{name}' is {tuple(tensor.shape)} there but "
+                f"{tuple(own[name].shape)} in this recipe's drafter; match the drafter keys of the init"
+            )
     loaded = {own[k].data_ptr() for k in state}
     missing = [k for k in own if own[k].data_ptr() not in loaded and "lora_" not in k]
     if missing:

@@ -94,17 +94,25 @@ class DrafterConfig:
 
     def __post_init__(self):  # checked when the recipe loads, before any model does
         if self.num_heads < 1 or self.num_layers < 1 or self.draft_vocab_size < 0:
-            raise DraftsmithError(f"drafter: expected num_heads >= 1, num_layers >= 1 and draft_vocab_size >= 0, "
-                                  f"got {self.num_heads}, {self.num_layers}, {self.draft_vocab_size}")
+            raise DraftsmithError(
+                f"drafter: expected num_heads >= 1, num_layers >= 1 and draft_vocab_size >= 0, "
+                f"got {self.num_heads}, {self.num_layers}, {self.draft_vocab_size}"
+            )
         if self.backbone not in ("frozen", "lora", "full"):
             raise DraftsmithError(f"drafter.backbone: expected frozen, lora or full, got {self.backbone!r}")
         if self.lambda0_schedule not in ("constant", "linear", "sine"):
-            raise DraftsmithError(f"drafter.lambda0_schedule: expected constant, linear or sine, got {self.lambda0_schedule!r}")
+            raise DraftsmithError(
+                f"drafter.lambda0_schedule: expected constant, linear or sine, got {self.lambda0_schedule!r}"
+            )
         if self.backbone != "frozen" and not self.backbone_lr > 0:
-            raise DraftsmithError(f"drafter.backbone_lr: a Medusa-2 run (backbone: {self.backbone}) needs the backbone's "
-                                  "learning rate, e.g. backbone_lr: 1.0e-4 (the heads use optim.lr)")
+            raise DraftsmithError(
+                f"drafter.backbone_lr: a Medusa-2 run (backbone: {self.backbone}) needs the backbone's "
+                "learning rate, e.g. backbone_lr: 1.0e-4 (the heads use optim.lr)"
+            )
         if self.lora_rank < 1 or self.heads_only_steps < 0 or self.lambda0_warmup_steps < 0:
-            raise DraftsmithError("drafter: expected lora_rank >= 1, heads_only_steps >= 0 and lambda0_warmup_steps >= 0")
+            raise DraftsmithError(
+                "drafter: expected lora_rank >= 1, heads_only_steps >= 0 and lambda0_warmup_steps >= 0"
+            )
 
 
 class ResBlock(nn.Module):
@@ -124,14 +132,21 @@ class MedusaHeads(nn.Module):
     With `shared_lm_head` (vLLM's `original_lm_head`) every head ends in the target's own lm_head,
     held by reference: not a parameter of the heads, never trained, saved or copied."""
 
-    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int, bias: bool, draft_vocab: int = 0,
-                 shared_lm_head: nn.Module | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        vocab: int,
+        num_heads: int,
+        num_layers: int,
+        bias: bool,
+        draft_vocab: int = 0,
+        shared_lm_head: nn.Module | None = None,
+    ):
         super().__init__()
         if draft_vocab:  # token_map[i] = the target id of draft id i (vLLM's name)
             self.register_buffer("token_map", torch.arange(draft_vocab))
             vocab = draft_vocab
-        self.blocks = nn.ModuleList(
-            nn.Module() for _ in range(num_heads))
+        self.blocks = nn.ModuleList(nn.Module() for _ in range(num_heads))
         for block in self.blocks:
             block.layers = nn.ModuleList(ResBlock(hidden, bias) for _ in range(num_layers))
         object.__setattr__(self, "shared_lm_head", shared_lm_head)  # a plain attribute: not a submodule
@@ -233,12 +248,14 @@ class Medusa2(nn.Module):
 
     def _saved(self) -> set[str]:
         # Not peft's get_peft_model_state_dict: that covers only `lora` and renames keys old checkpoints use.
-        return {n for n, p in self.named_parameters() if p.requires_grad} | {f"heads.{n}" for n in self.heads.state_dict()}
+        return {n for n, p in self.named_parameters() if p.requires_grad} | {
+            f"heads.{n}" for n in self.heads.state_dict()
+        }
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         out = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         keep = self._saved()
-        for name in [n for n in out if n.startswith(prefix) and n[len(prefix):] not in keep]:
+        for name in [n for n in out if n.startswith(prefix) and n[len(prefix) :] not in keep]:
             del out[name]
         return out
 
@@ -254,6 +271,7 @@ class Medusa2(nn.Module):
         """rows[k]: (b, t) positions of head k's inputs; teach: (b, p) positions whose next token is
         trained. -> (head logits per head, the trained backbone's logits at `teach` [N, V] or None
         before joint training, the original's logits at `teach` [N, V])."""
+
         def decode(model):
             return model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
@@ -269,8 +287,11 @@ class Medusa2(nn.Module):
         if not joint:  # every trainable parameter must get a gradient for DDP; a zero one changes nothing
             # (DeepSpeed ZeRO does not need the anchor, and under ZeRO-3 a parameter read outside its
             # module's forward is an empty shard: `ds_id` marks ZeRO-managed parameters.)
-            anchor = sum(p.sum() for n, p in self.named_parameters()
-                         if p.requires_grad and not n.startswith("heads.") and not hasattr(p, "ds_id"))
+            anchor = sum(
+                p.sum()
+                for n, p in self.named_parameters()
+                if p.requires_grad and not n.startswith("heads.") and not hasattr(p, "ds_id")
+            )
             logits[0] = logits[0] + 0.0 * anchor
         return logits, trained, teacher
 
@@ -288,8 +309,15 @@ def max_draft_depth(cfg: DrafterConfig) -> int | None:
 def build(cfg: DrafterConfig, target, dataset=None) -> MedusaHeads | Medusa2:
     tc = target.config
     lm_head = target.get_output_embeddings()
-    heads = MedusaHeads(tc.hidden_size, tc.vocab_size, cfg.num_heads, cfg.num_layers, cfg.fc_bias, cfg.draft_vocab_size,
-                        shared_lm_head=lm_head if cfg.original_lm_head else None)
+    heads = MedusaHeads(
+        tc.hidden_size,
+        tc.vocab_size,
+        cfg.num_heads,
+        cfg.num_layers,
+        cfg.fc_bias,
+        cfg.draft_vocab_size,
+        shared_lm_head=lm_head if cfg.original_lm_head else None,
+    )
     rows = torch.arange(tc.vocab_size)
     if cfg.draft_vocab_size and dataset is not None:
         rows = draft_vocab(dataset, tc.vocab_size, cfg.draft_vocab_size)
@@ -311,13 +339,19 @@ def param_groups(drafter, cfg: DrafterConfig, lr: float) -> list[dict]:
     if not isinstance(drafter, Medusa2):
         return [{"name": "heads", "params": list(drafter.parameters()), "lr": lr}]
     backbone = [p for n, p in drafter.named_parameters() if p.requires_grad and not n.startswith("heads.")]
-    return [{"name": "heads", "params": list(drafter.heads.parameters()), "lr": lr},
-            {"name": "backbone", "params": backbone, "lr": cfg.backbone_lr, "start_step": cfg.heads_only_steps}]
+    return [
+        {"name": "heads", "params": list(drafter.heads.parameters()), "lr": lr},
+        {"name": "backbone", "params": backbone, "lr": cfg.backbone_lr, "start_step": cfg.heads_only_steps},
+    ]
 
 
 def lambda0(cfg: DrafterConfig, step: int) -> float:
     """The heads' loss weight at optimizer step `step`: ramped from 0 at the start of joint training."""
-    done = 1.0 if cfg.lambda0_warmup_steps == 0 else min(1.0, max(0, step - cfg.heads_only_steps) / cfg.lambda0_warmup_steps)
+    done = (
+        1.0
+        if cfg.lambda0_warmup_steps == 0
+        else min(1.0, max(0, step - cfg.heads_only_steps) / cfg.lambda0_warmup_steps)
+    )
     ramp = {"constant": 1.0, "linear": done, "sine": math.sin(math.pi / 2 * done)}[cfg.lambda0_schedule]
     return cfg.lambda0 * ramp
 
@@ -334,7 +368,7 @@ def compute_loss(model, target, batch: dict, feats: dict, cfg: DrafterConfig, st
     heads = core.heads if isinstance(core, Medusa2) else core
     # Head k at position t predicts token t+k+2: its inputs are positions t with token t+k+2 trained
     # (loss mask), i.e. the nonzeros of lmask[:, k+2:] indexed by t.
-    rows = [lmask[:, k + 2:].nonzero(as_tuple=True) for k in range(min(cfg.num_heads, ids.shape[1] - 2))]
+    rows = [lmask[:, k + 2 :].nonzero(as_tuple=True) for k in range(min(cfg.num_heads, ids.shape[1] - 2))]
     # Positions p whose next token p+1 is trained: the target's distribution at p labels token p+1,
     # computed once for every head (head k's label for token t+k+2 is the distribution at p = t+k+1).
     teach = lmask[:, 1:].nonzero(as_tuple=True)
@@ -363,7 +397,7 @@ def compute_loss(model, target, batch: dict, feats: dict, cfg: DrafterConfig, st
             loss = soft_cross_entropy(lg, soft, keep.float())
         else:
             loss = nn.functional.cross_entropy(lg.float()[keep], wanted[keep], reduction="sum")
-        heads_loss = heads_loss + cfg.decay ** k * loss
+        heads_loss = heads_loss + cfg.decay**k * loss
         metrics["acc" if k == 0 else f"acc{k}"] = ((lg.argmax(-1) == wanted) & keep).float().sum().detach()
         n = keep.sum() if k == 0 else n
     if not joint:
@@ -404,8 +438,10 @@ class MedusaProposer:
     def propose_tree(self, tokens: torch.Tensor, feats: dict, spec) -> Draft:
         """A static tree: path (r_0, .., r_d) is the rank-r_d candidate of head d under its prefix."""
         if spec.kind != "static":
-            raise DraftsmithError("--tree: Medusa heads build static trees (static:PATHS); dynamic trees need a "
-                                  "drafter that conditions on its own drafts")
+            raise DraftsmithError(
+                "--tree: Medusa heads build static trees (static:PATHS); dynamic trees need a "
+                "drafter that conditions on its own drafts"
+            )
         logits = self._head_logits(feats)
         ranked = [self.heads.to_target(lg.topk(spec.top_k).indices).tolist() for lg in logits[: spec.depth]]
         draft, index = Draft(), {}
@@ -441,6 +477,7 @@ def vllm_serving(export_dir, export_config: dict, k: int) -> tuple[dict, list[st
 
 # --- format: vLLM `MedusaModel` (a Medusa-2 export adds `backbone/`, the new target) ----------------
 
+
 def write_export(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
     """vLLM `MedusaModel`: blocks.{h}.layers.{l}.weight (+ .bias only with medusa_fc_bias: vLLM builds
     the ResBlock linears without bias otherwise) and lm_heads.{h}.weight, or one lm_head.weight
@@ -455,19 +492,28 @@ def write_export(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info
         # vLLM 0.32 MedusaModel builds each head's own lm_head over the full vocabulary and asserts
         # that the checkpoint's rows fill it (ParallelLMHead.weight_loader), so per-head draft-vocabulary
         # heads have no encoding it loads; only one shared lm_head is built at truncated_vocab_size.
-        raise DraftsmithError(f"--format vllm: vLLM's MedusaModel serves a reduced head vocabulary only through one "
-                              f"shared lm_head; these {len(heads.lm_heads)} heads each have their own "
-                              f"{heads.lm_heads[0].out_features}-row lm_head. Train with drafter.original_lm_head=true "
-                              f"(the target's rows of the draft vocabulary) or drafter.draft_vocab_size=0")
+        raise DraftsmithError(
+            f"--format vllm: vLLM's MedusaModel serves a reduced head vocabulary only through one "
+            f"shared lm_head; these {len(heads.lm_heads)} heads each have their own "
+            f"{heads.lm_heads[0].out_features}-row lm_head. Train with drafter.original_lm_head=true "
+            f"(the target's rows of the draft vocabulary) or drafter.draft_vocab_size=0"
+        )
     if shared:  # vLLM gives every head this one lm_head (with token_map: its rows of the draft vocabulary)
         state["lm_head.weight"] = heads.shared_rows() if reduced else heads.shared_lm_head.weight.detach()
     hidden = heads.blocks[0].layers[0].linear.in_features
     # A reduced head vocabulary: vLLM scatters the heads' logits through `token_map` (-inf elsewhere).
     truncated = len(heads.token_map) if reduced else None
-    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": hidden,
-              "vocab_size": vocab, "num_heads": len(heads.blocks), "num_hidden_layers": len(heads.blocks[0].layers),
-              "medusa_fc_bias": heads.blocks[0].layers[0].linear.bias is not None,
-              "truncated_vocab_size": truncated, "original_lm_head": shared}
+    config = {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": hidden,
+        "vocab_size": vocab,
+        "num_heads": len(heads.blocks),
+        "num_hidden_layers": len(heads.blocks[0].layers),
+        "medusa_fc_bias": heads.blocks[0].layers[0].linear.bias is not None,
+        "truncated_vocab_size": truncated,
+        "original_lm_head": shared,
+    }
     config["draftsmith"] = info
     backbone = verifier(drafter, target)
     if backbone is not target:
@@ -490,8 +536,10 @@ def read_export(path, target) -> dict[str, torch.Tensor]:
     state = load_state(path)
     state.pop("lm_head.weight", None)  # original_lm_head: the target's own, not a head weight
     # blocks.h.layers.l.weight -> the ResBlock's .linear
-    return {(k.rsplit(".", 1)[0] + ".linear." + k.rsplit(".", 1)[1]) if k.startswith("blocks.") else k: v
-            for k, v in state.items()}
+    return {
+        (k.rsplit(".", 1)[0] + ".linear." + k.rsplit(".", 1)[1]) if k.startswith("blocks.") else k: v
+        for k, v in state.items()
+    }
 
 
 def from_export(path, config: dict, cfg: DrafterConfig, target) -> MedusaHeads:
@@ -529,7 +577,9 @@ def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, e
     n, f, vd, h = batch * length, 4, cfg.draft_vocab_size or tc.vocab_size, tc.hidden_size
     act = n * cfg.num_heads * (f * 3 * vd + elem * 8 * h) + n * f * tc.vocab_size
     if cfg.backbone != "frozen":
-        act += n * tc.num_hidden_layers * layer_activation_bytes(h, tc.intermediate_size, elem) + n * f * 7 * tc.vocab_size
+        act += (
+            n * tc.num_hidden_layers * layer_activation_bytes(h, tc.intermediate_size, elem) + n * f * 7 * tc.vocab_size
+        )
     return act
 
 

@@ -82,8 +82,10 @@ class DrafterConfig:
         if self.depths < 2:
             raise DraftsmithError(f"drafter.depths: expected >= 2 parallel drafts (1 is EAGLE-3), got {self.depths}")
         if not 0 < self.keep_min <= self.keep_ratio <= 1:
-            raise DraftsmithError(f"drafter.keep_ratio / keep_min: expected 0 < keep_min <= keep_ratio <= 1, got "
-                                  f"{self.keep_ratio} / {self.keep_min}")
+            raise DraftsmithError(
+                f"drafter.keep_ratio / keep_min: expected 0 < keep_min <= keep_ratio <= 1, got "
+                f"{self.keep_ratio} / {self.keep_min}"
+            )
 
 
 def max_draft_depth(cfg: DrafterConfig) -> int | None:
@@ -124,7 +126,7 @@ def sample_chains(row_of: torch.Tensor, t: int, cfg: DrafterConfig) -> list[list
         n, slots = len(alive), []
         for d in range(1, cfg.depths):
             pool = [a for a in alive if a + d + 1 < len(rows) and rows[a + d + 1] >= 0]
-            size = min(len(pool), int((n - d) * max(cfg.keep_ratio ** d, cfg.keep_min)))
+            size = min(len(pool), int((n - d) * max(cfg.keep_ratio**d, cfg.keep_min)))
             if size <= 0:
                 break
             alive = sorted(pool[i] for i in torch.randperm(len(pool))[:size].tolist())
@@ -170,8 +172,9 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     names = feature_names(cfg, target.config)
     t = ids.shape[1] - 1
     with torch.no_grad():
-        row_of, draft_all, keep_all = teacher_rows(core, target.get_output_embeddings(), ids, lmask,
-                                                   feats["last_hidden"])
+        row_of, draft_all, keep_all = teacher_rows(
+            core, target.get_output_embeddings(), ids, lmask, feats["last_hidden"]
+        )
         chains = sample_chains(row_of, t, cfg)
     embed = target.get_input_embeddings()
     aux = aux_features(feats, names)[:, :t].to(core.fc.weight.dtype)
@@ -193,8 +196,10 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
         # The loop divides metric sums by n0: depth d's hits are scaled by n0 / n_d so that acc{d}
         # reads as draft d+1's top-1 agreement on its own slots.
         hits = (logits.argmax(-1) == t_draft.argmax(-1)).float() * keep
-        metrics = {("acc" if d == 0 else f"acc{d}"): hits[depth == d].sum() * n0 / keep[depth == d].sum().clamp_min(1)
-                   for d in range(cfg.depths)}
+        metrics = {
+            ("acc" if d == 0 else f"acc{d}"): hits[depth == d].sum() * n0 / keep[depth == d].sum().clamp_min(1)
+            for d in range(cfg.depths)
+        }
     return loss, n0.long(), metrics
 
 
@@ -223,7 +228,7 @@ class ParallelProposer:
         d, device = self.drafter, tokens.device
         crop_cache(self.cache, self.n_real)  # drop last round's mask slots
         n_feats = next(iter(feats.values())).shape[1]
-        new = {name: f[:, self.n_real:] for name, f in feats.items()}
+        new = {name: f[:, self.n_real :] for name, f in feats.items()}
         m = min(k, self.cfg.depths) - 1
         hidden = torch.cat([d.fuse(aux_features(new, self.feature_names)), d.fuse(d.mask_hidden).expand(1, m, -1)], 1)
         mask_ids = torch.full((1, m), self.cfg.mask_token_id, device=device)
@@ -233,7 +238,7 @@ class ParallelProposer:
         out = d.step(hidden.to(emb.dtype), emb, pos, causal_mask(t, n_feats + m, device=device), self.cache)
         self.n_real = n_feats
         draft = Draft()
-        for i, logits in enumerate(self.logits(out[:, -(m + 1):])[0]):  # bonus slot, then mask slots
+        for i, logits in enumerate(self.logits(out[:, -(m + 1) :])[0]):  # bonus slot, then mask slots
             q = None if sampler is None else sampler.probs(logits)
             draft.add(int(logits.argmax()) if q is None else sampler.sample(q), i - 1, q)
         return draft
@@ -254,10 +259,16 @@ def from_init(cfg: DrafterConfig, init_config: dict, target_config) -> DrafterCo
     own = init_config["drafter_config"] if "draftsmith_format" in init_config else init_config
     ids = exported_aux_layers(init_config, target_config)
     if cfg.aux_layers and ids is not None and list(cfg.aux_layers) != ids:
-        raise DraftsmithError(f"drafter.aux_layers: the recipe names {list(cfg.aux_layers)} but the init_from head "
-                              f"was trained on layers {ids} (layer outputs); drop the key or use {ids}")
-    return replace(cfg, aux_layers=ids or cfg.aux_layers, norm_before_fc=bool(own.get("norm_before_fc", False)),
-                   mask_token_id=own.get("mask_token_id", cfg.mask_token_id))
+        raise DraftsmithError(
+            f"drafter.aux_layers: the recipe names {list(cfg.aux_layers)} but the init_from head "
+            f"was trained on layers {ids} (layer outputs); drop the key or use {ids}"
+        )
+    return replace(
+        cfg,
+        aux_layers=ids or cfg.aux_layers,
+        norm_before_fc=bool(own.get("norm_before_fc", False)),
+        mask_token_id=own.get("mask_token_id", cfg.mask_token_id),
+    )
 
 
 # --- the speculators `peagle` format (vLLM 0.32: method eagle3 + parallel_drafting) -----------------
@@ -276,9 +287,15 @@ def write_peagle(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info
     write_speculators(drafter, cfg, target, {**meta, "k": cfg.depths}, tok, out, info)  # EAGLE-3's fields and tensors
     path = Path(out) / "config.json"
     config = json.loads(path.read_text())
-    config.update({"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle",
-                   # vLLM's peagle loader reads mask_token_id (its pard_token) and norm_before_fc, no other switch.
-                   "mask_token_id": cfg.mask_token_id, "norm_before_fc": cfg.norm_before_fc})
+    config.update(
+        {
+            "architectures": ["PEagleSpeculator"],
+            "speculators_model_type": "peagle",
+            # vLLM's peagle loader reads mask_token_id (its pard_token) and norm_before_fc, no other switch.
+            "mask_token_id": cfg.mask_token_id,
+            "norm_before_fc": cfg.norm_before_fc,
+        }
+    )
     for key in ("fc_norm", "norm_output"):
         config.pop(key, None)
     config["speculators_config"]["algorithm"] = "peagle"
@@ -289,7 +306,10 @@ EXPORTS = {"speculators": write_peagle}
 
 
 def recognises(config: dict, tensor_names: set[str]) -> bool:
-    return config.get("speculators_model_type") == "peagle" or (config.get("architectures") or ["?"])[0] == "PEagleSpeculator"
+    return (
+        config.get("speculators_model_type") == "peagle"
+        or (config.get("architectures") or ["?"])[0] == "PEagleSpeculator"
+    )
 
 
 def read_export(path, target) -> dict[str, torch.Tensor]:
@@ -300,14 +320,19 @@ def read_export(path, target) -> dict[str, torch.Tensor]:
 
 
 def from_export(path, config: dict, cfg: DrafterConfig, target):
-    cfg = replace(cfg, norm_before_fc=bool(config.get("norm_before_fc", False)),
-                  mask_token_id=config.get("mask_token_id", cfg.mask_token_id))
+    cfg = replace(
+        cfg,
+        norm_before_fc=bool(config.get("norm_before_fc", False)),
+        mask_token_id=config.get("mask_token_id", cfg.mask_token_id),
+    )
     return from_exported_head(build(cfg, target), config, read_export(path, target))
 
 
 def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
-    return (f"```bash\nvllm serve {repo_id}   # the speculators config names the verifier, {target}, and turns on "
-            f"parallel drafting\n```")
+    return (
+        f"```bash\nvllm serve {repo_id}   # the speculators config names the verifier, {target}, and turns on "
+        f"parallel drafting\n```"
+    )
 
 
 def consumer_check(exported, target, ours, prompt_ids) -> dict | None:
@@ -319,7 +344,7 @@ def consumer_check(exported, target, ours, prompt_ids) -> dict | None:
 
 def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, elem: int) -> int:
     """`plan`: one pass over the real slots plus about n * sum_d max(r^d, r_min) mask slots."""
-    slots = 1 + sum(max(cfg.keep_ratio ** d, cfg.keep_min) for d in range(1, cfg.depths))
+    slots = 1 + sum(max(cfg.keep_ratio**d, cfg.keep_min) for d in range(1, cfg.depths))
     return unroll_activation_bytes(tc, batch, length, elem, math.ceil(slots), cfg.draft_vocab_size or tc.vocab_size)
 
 

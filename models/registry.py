@@ -27,14 +27,35 @@ DRAFTERS: dict[str, ModuleType] = {
 DEFAULT_DRAFTER = "eagle"  # a recipe that names no drafter.type
 
 # What every family module provides (checked by the registry test).
-INTERFACE = ("NAME", "DrafterConfig", "feature_names", "max_draft_depth", "build", "rebuild", "param_groups",
-             "compute_loss", "make_proposer", "verifier", "SERVE_FORMAT", "vllm_serving", "from_init",
-             # formats: writers, recognising and reading exports (models/export.py), the served snippet
-             "EXPORTS", "recognises", "read_export", "from_export", "serving_snippet", "consumer_check",
-             # a family that trains the target: whether it needs its own copy, and the target before training
-             "trains_target", "original",
-             # `plan`: activation bytes at the step's peak; benchmarks: the default tree, extra held-out figures
-             "activation_bytes", "DEFAULT_TREE", "held_out_metrics")
+INTERFACE = (
+    "NAME",
+    "DrafterConfig",
+    "feature_names",
+    "max_draft_depth",
+    "build",
+    "rebuild",
+    "param_groups",
+    "compute_loss",
+    "make_proposer",
+    "verifier",
+    "SERVE_FORMAT",
+    "vllm_serving",
+    "from_init",
+    # formats: writers, recognising and reading exports (models/export.py), the served snippet
+    "EXPORTS",
+    "recognises",
+    "read_export",
+    "from_export",
+    "serving_snippet",
+    "consumer_check",
+    # a family that trains the target: whether it needs its own copy, and the target before training
+    "trains_target",
+    "original",
+    # `plan`: activation bytes at the step's peak; benchmarks: the default tree, extra held-out figures
+    "activation_bytes",
+    "DEFAULT_TREE",
+    "held_out_metrics",
+)
 
 
 def drafter_module(name: str, where: str = "drafter.type") -> ModuleType:
@@ -52,8 +73,11 @@ def load_drafter(path: str | Path, target, allow_stale: bool = False):
     module = drafter_module(meta["drafter"], f"{path}/config.json: drafter")
     if not allow_stale:
         check_fingerprint(meta, fingerprint(target), str(path))
-    cfg = from_dict(module.DrafterConfig, {k: v for k, v in meta["drafter_config"].items() if k != "type"},
-                    f"{path}/config.json: drafter_config")
+    cfg = from_dict(
+        module.DrafterConfig,
+        {k: v for k, v in meta["drafter_config"].items() if k != "type"},
+        f"{path}/config.json: drafter_config",
+    )
     drafter = module.rebuild(meta, target)
     weights = load_state(Path(path))
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
@@ -61,8 +85,10 @@ def load_drafter(path: str | Path, target, allow_stale: bool = False):
     loaded = {own[k].data_ptr() for k in weights if k in own}
     missing = [k for k in missing if own[k].data_ptr() not in loaded]  # tied to a loaded weight (saved once)
     if missing or unexpected:
-        raise DraftsmithError(f"{path}/model.safetensors: weights do not match a {meta['drafter']} drafter "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise DraftsmithError(
+            f"{path}/model.safetensors: weights do not match a {meta['drafter']} drafter "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     param = next(target.parameters())
     return module, cfg, drafter.to(param.device, param.dtype).eval()
 

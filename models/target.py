@@ -150,8 +150,17 @@ def fingerprint(model: PreTrainedModel) -> str:
     loaded in, and as raw bytes (no sums) so it is the same on every machine.
     """
     c = model.config
-    arch = {k: getattr(c, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
-                                              "num_attention_heads", "intermediate_size")}
+    arch = {
+        k: getattr(c, k, None)
+        for k in (
+            "model_type",
+            "hidden_size",
+            "num_hidden_layers",
+            "vocab_size",
+            "num_attention_heads",
+            "intermediate_size",
+        )
+    }
     h = hashlib.sha256(json.dumps(arch, sort_keys=True).encode())
     params = dict(model.named_parameters())
     for name in sorted(params):
@@ -160,4 +169,3 @@ def fingerprint(model: PreTrainedModel) -> str:
         h.update(name.encode())
         h.update(t.view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
-

@@ -15,8 +15,9 @@ phase() {  # phase NAME CMD...: run CMD, print how long it took, return its stat
   return "$rc"
 }
 phase "set-up" bash scripts/setup.sh --vllm
-# Lint first (a second): pyflakes' undefined and unused names, import order (pyproject.toml [tool.ruff]).
-phase "lint" .venv/bin/ruff check . || exit 1
+# Lint and format first (a second): pyflakes' undefined and unused names, import order, and the tree
+# as `ruff format` writes it (pyproject.toml [tool.ruff]; `.venv/bin/ruff format .` fixes the latter).
+phase "lint" bash -c ".venv/bin/ruff check . && .venv/bin/ruff format --check ." || exit 1
 if [ $# -gt 0 ]; then
   phase "pytest $*" .venv/bin/python -m pytest "$@"
   exit

@@ -35,9 +35,19 @@ def pytest_collection_modifyitems(items):
 
 def make_target(seed: int = 0, vocab: int = 128, layers: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -107,7 +117,9 @@ def chat_jsonl(tmp_path):
     return path
 
 
-def save_pattern_target(path, steps: int = 160, layers: int = 4, arch: str | None = None, chat_template: str = CHAT_TEMPLATE):
+def save_pattern_target(
+    path, steps: int = 160, layers: int = 4, arch: str | None = None, chat_template: str = CHAT_TEMPLATE
+):
     """A tiny target *trained* to answer `pattern_chat` prompts (eval/bench/tiny_target.py), so its
     greedy answers are varied and learnable: a drafter of it has real acceptance, and a broken export
     visibly loses it. `arch`: one of REAL_ARCHS (that architecture's config at this size), else a
@@ -122,9 +134,11 @@ def save_pattern_target(path, steps: int = 160, layers: int = 4, arch: str | Non
 # Llama-3.1's llama3 RoPE scaling, untied, and its injected system header; Qwen3's q/k norm, tied as
 # its small models are, and its think block on the last assistant turn; Qwen2.5's q/k/v biases and
 # its default system prompt.
-REAL_ARCHS = {"llama3.1": ("meta-llama/Llama-3.1-8B-Instruct", {}, "LLAMA31_LIKE"),
-              "qwen3": ("Qwen/Qwen3-8B", {"tie_word_embeddings": True}, "QWEN3_LIKE"),
-              "qwen2.5": ("Qwen/Qwen2.5-7B-Instruct", {}, "QWEN25_LIKE")}
+REAL_ARCHS = {
+    "llama3.1": ("meta-llama/Llama-3.1-8B-Instruct", {}, "LLAMA31_LIKE"),
+    "qwen3": ("Qwen/Qwen3-8B", {"tie_word_embeddings": True}, "QWEN3_LIKE"),
+    "qwen2.5": ("Qwen/Qwen2.5-7B-Instruct", {}, "QWEN25_LIKE"),
+}
 
 
 def arch_template(arch: str) -> str:

@@ -17,10 +17,19 @@ from draftsmith.train import loop
 
 
 def fsdp_accelerator(cfg):
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="size_based_wrap", min_num_params=1000,
-                                            reshard_after_forward=True, state_dict_type="FULL_STATE_DICT")
-    acc = Accelerator(cpu=False, fsdp_plugin=plugin, project_dir=str(cfg.run_dir),
-                      kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="size_based_wrap",
+        min_num_params=1000,
+        reshard_after_forward=True,
+        state_dict_type="FULL_STATE_DICT",
+    )
+    acc = Accelerator(
+        cpu=False,
+        fsdp_plugin=plugin,
+        project_dir=str(cfg.run_dir),
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
+    )
     acc.state.fsdp_plugin = plugin
     acc.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     return acc

@@ -16,8 +16,11 @@ from draftsmith.train.distributed import _held_bytes, fsdp_shard_target
 
 CASES = {  # family -> (overrides, tied embeddings, tokens on rank 0 / rank 1)
     # EAGLE-3 reads the target's lm_head in 4096-row chunks: rank 0 needs two calls, rank 1 one.
-    "eagle3": (["drafter.type=eagle3", "drafter.aux_layers=[0,1,2]", "drafter.draft_vocab_size=64",
-                "drafter.ttt_steps=2"], True, (4200, 40)),
+    "eagle3": (
+        ["drafter.type=eagle3", "drafter.aux_layers=[0,1,2]", "drafter.draft_vocab_size=64", "drafter.ttt_steps=2"],
+        True,
+        (4200, 40),
+    ),
     # EAGLE-1's loss goes through the target's lm_head: gradients must flow through the shards.
     "eagle": (["drafter.type=eagle", "drafter.feature_noise=0"], False, (64, 48)),
 }
@@ -28,9 +31,19 @@ def main(out: str) -> None:
     rank, result = acc.process_index, {}
     for family, (overrides, tied, lengths) in CASES.items():
         torch.manual_seed(0)  # the same target on every rank, as from_pretrained would load it
-        target = freeze(LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                                     num_hidden_layers=3, num_attention_heads=4,
-                                                     num_key_value_heads=2, tie_word_embeddings=tied)))
+        target = freeze(
+            LlamaForCausalLM(
+                LlamaConfig(
+                    vocab_size=128,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=3,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    tie_word_embeddings=tied,
+                )
+            )
+        )
         cfg = load_config(None, overrides)
         module, dcfg = drafter_module(family), drafter_config(cfg)
         ids = torch.randint(0, 128, (1, lengths[rank]), generator=torch.Generator().manual_seed(rank))
@@ -49,9 +62,13 @@ def main(out: str) -> None:
         whole, full = step(), _held_bytes(target)
         fsdp_shard_target(acc, target)
         sharded = step()
-        result[family] = {"max_diff": max((a - b).abs().max().item() for a, b in zip(whole, sharded)),
-                          "tensors": len(whole), "held": _held_bytes(target), "full": full,
-                          "loss": whole[len(names)].item()}
+        result[family] = {
+            "max_diff": max((a - b).abs().max().item() for a, b in zip(whole, sharded)),
+            "tensors": len(whole),
+            "held": _held_bytes(target),
+            "full": full,
+            "loss": whole[len(names)].item(),
+        }
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)
 

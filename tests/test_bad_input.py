@@ -36,7 +36,10 @@ def test_serve_check_on_a_folder_that_is_not_an_export(tmp_path, capsys, no_mode
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 8}))
     servers = ["--server", "http://127.0.0.1:9", "--target-server", "http://127.0.0.1:9"]  # no vLLM lookup either
-    assert main(["serve-check", str(folder), "--data", "builtin:code-holdout", "--out", str(tmp_path / "o"), *servers]) == 1
+    assert (
+        main(["serve-check", str(folder), "--data", "builtin:code-holdout", "--out", str(tmp_path / "o"), *servers])
+        == 1
+    )
     line = _one_line(capsys)
     assert f"{folder}/config.json: not a draftsmith drafter or export" in line and "'draftsmith' section" in line
     assert not (tmp_path / "o").exists()
@@ -44,52 +47,84 @@ def test_serve_check_on_a_folder_that_is_not_an_export(tmp_path, capsys, no_mode
 
 @pytest.mark.parametrize("levels", ["0", "1,0", "-2", "two"])
 def test_serve_check_concurrency_errors_name_concurrency(levels, tmp_path, capsys, no_model_loads):
-    assert main(["serve-check", str(tmp_path), "--data", "x", "--out", str(tmp_path / "o"), "--concurrency", levels]) == 1
+    assert (
+        main(["serve-check", str(tmp_path), "--data", "x", "--out", str(tmp_path / "o"), "--concurrency", levels]) == 1
+    )
     line = _one_line(capsys)
     assert "--concurrency: expected positive integers" in line and "--batch-sizes" not in line
 
 
 def test_a_chat_role_outside_openais_is_refused_with_file_and_line(tmp_path, capsys):
     path = tmp_path / "chat.jsonl"
-    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
-            {"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "boop"}]}]
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        {"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "boop"}]},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(DraftsmithError, match=rf"^{path}:2: 'messages' role must be one of system, developer, user, "
-                                              r"assistant, tool, got 'robot'$"):
+    with pytest.raises(
+        DraftsmithError,
+        match=rf"^{path}:2: 'messages' role must be one of system, developer, user, "
+        r"assistant, tool, got 'robot'$",
+    ):
         load_prompts(str(path), malformed="error")
     assert len(load_prompts(str(path))) == 1  # skip mode: counted and named, never rendered
     assert f"skipped 1 of 2 malformed records ({path}:2: 'messages' role must be one of" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--gpus", "-1"], "--gpus: expected a whole number >= 0, got '-1'"),
-    (["--cpu-procs", "two"], "--cpu-procs: expected a whole number >= 0, got 'two'"),
-    (["--nodes", "0"], "--nodes: expected a whole number >= 1, got '0'"),
-    (["--gpus", "8", "--nodes", "2", "--node-rank", "2"], "--node-rank: expected 0..1 for --nodes 2, got 2"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--gpus", "-1"], "--gpus: expected a whole number >= 0, got '-1'"),
+        (["--cpu-procs", "two"], "--cpu-procs: expected a whole number >= 0, got 'two'"),
+        (["--nodes", "0"], "--nodes: expected a whole number >= 1, got '0'"),
+        (["--gpus", "8", "--nodes", "2", "--node-rank", "2"], "--node-rank: expected 0..1 for --nodes 2, got 2"),
+    ],
+)
 def test_launch_refuses_impossible_counts(flags, message):
-    r = subprocess.run(["bash", "launch.sh", "recipes/cpu/eagle-smollm2.yaml", *flags, "--dry-run"], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["bash", "launch.sh", "recipes/cpu/eagle-smollm2.yaml", *flags, "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and r.stdout == "" and r.stderr.strip() == f"launch.sh: error: {message}"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["publish", "{run}", "--repo-id", "not a repo id!", "--dry-run"], "not a valid Hub repo id"),
-    (["publish", "{run}", "--repo-id", "me/x", "--format", "hf", "--dry-run"], "a eagle drafter exports to vllm, sglang"),
-    (["eval", "--drafter", "{run}", "--data", "{missing}"], "data file not found"),
-    (["compare", "--drafter", "{run}", "--data", "{missing}", "--out", "{out}"], "data file not found"),
-    (["export", "{run}", "--format", "vllm", "--out", "{out}", "--verify", "--data", "{missing}"], "data file not found"),
-    (["data", "regenerate", "--data", "{missing}", "--out", "{out}"], "data file not found"),
-    (["layerskip", "--data", "{missing}", "--out", "{out}"], "data file not found"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["publish", "{run}", "--repo-id", "not a repo id!", "--dry-run"], "not a valid Hub repo id"),
+        (
+            ["publish", "{run}", "--repo-id", "me/x", "--format", "hf", "--dry-run"],
+            "a eagle drafter exports to vllm, sglang",
+        ),
+        (["eval", "--drafter", "{run}", "--data", "{missing}"], "data file not found"),
+        (["compare", "--drafter", "{run}", "--data", "{missing}", "--out", "{out}"], "data file not found"),
+        (
+            ["export", "{run}", "--format", "vllm", "--out", "{out}", "--verify", "--data", "{missing}"],
+            "data file not found",
+        ),
+        (["data", "regenerate", "--data", "{missing}", "--out", "{out}"], "data file not found"),
+        (["layerskip", "--data", "{missing}", "--out", "{out}"], "data file not found"),
+    ],
+)
 def test_commands_check_their_inputs_before_loading_a_model(args, message, tmp_path, capsys, monkeypatch):
     """A drafter folder whose files are readable metadata only: any model load would fail loudly."""
     from draftsmith.models import target as target_module
 
     run = tmp_path / "final"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"drafter": "eagle", "target": "smollm2-135m", "target_fingerprint": "x",
-                                                 "drafter_config": {}, "draftsmith_format": 1}))
+    (run / "config.json").write_text(
+        json.dumps(
+            {
+                "drafter": "eagle",
+                "target": "smollm2-135m",
+                "target_fingerprint": "x",
+                "drafter_config": {},
+                "draftsmith_format": 1,
+            }
+        )
+    )
     (run / "model.safetensors").write_bytes(b"")
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "report.json").write_text(json.dumps({"rule_exact": True, "lossless": True}))

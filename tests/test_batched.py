@@ -103,7 +103,9 @@ def test_perfect_drafter_in_a_batch_gets_full_acceptance(lively):
     k, rounds = 3, 4
     prompts = _prompts((4, 11, 6))
     stats = Stats(k=k)
-    out = speculative_decode_batch(lively, lambda: OracleProposer(lively), prompts, k, 1 + rounds * (k + 1), set(), stats)
+    out = speculative_decode_batch(
+        lively, lambda: OracleProposer(lively), prompts, k, 1 + rounds * (k + 1), set(), stats
+    )
     assert out == [target_decode(lively, p, 1 + rounds * (k + 1), set()) for p in prompts]
     assert stats.tau == k + 1 and stats.acceptance_rate == 1.0
     assert stats.passes == rounds * len(prompts)  # one pass per row per round
@@ -177,13 +179,53 @@ def test_eval_batch_sizes_adds_the_curve_to_report_and_plot(tiny_target_dir, cha
     from draftsmith.cli import main
 
     out = tmp_path / "ev"
-    assert main(["eval", "--drafter", "ngram", "--target", str(tiny_target_dir), "--data", str(chat_jsonl), "--k", "2",
-                 "--num-prompts", "3", "--max-new-tokens", "6", "--batch-sizes", "1,2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--drafter",
+                "ngram",
+                "--target",
+                str(tiny_target_dir),
+                "--data",
+                str(chat_jsonl),
+                "--k",
+                "2",
+                "--num-prompts",
+                "3",
+                "--max-new-tokens",
+                "6",
+                "--batch-sizes",
+                "1,2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "report.json").read_text())
     assert [c["batch_size"] for c in report["batch_curve"]] == [1, 2]
     assert all(c["lossless"] and c["num_prompts"] == 3 for c in report["batch_curve"])
     assert "Batch-size curve" in (out / "report.md").read_text() and (out / "batch_curve.png").is_file()
     # Batched decoding is greedy with chains: a tree or sampling is refused before anything runs.
-    assert main(["eval", "--drafter", "ngram", "--target", str(tiny_target_dir), "--data", str(chat_jsonl),
-                 "--temperature", "0.7", "--batch-sizes", "1,2", "--out", str(tmp_path / "x")]) == 1
+    assert (
+        main(
+            [
+                "eval",
+                "--drafter",
+                "ngram",
+                "--target",
+                str(tiny_target_dir),
+                "--data",
+                str(chat_jsonl),
+                "--temperature",
+                "0.7",
+                "--batch-sizes",
+                "1,2",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 1
+    )
     assert "--batch-sizes: batched decoding is greedy" in capsys.readouterr().err

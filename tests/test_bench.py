@@ -60,16 +60,33 @@ def test_staleness_update_makes_a_loadable_different_target(tiny_target, chat_js
 
 
 @MULTIPROCESS
-def test_scaling_bench_runs_one_and_two_processes_on_the_same_global_batch(tiny_target_dir, chat_jsonl, tmp_path, capsys):
+def test_scaling_bench_runs_one_and_two_processes_on_the_same_global_batch(
+    tiny_target_dir, chat_jsonl, tmp_path, capsys
+):
     import json
 
     from draftsmith.eval.bench import scaling
 
     recipe = tmp_path / "empty.yaml"
     recipe.write_text("{}\n")
-    scaling.main(["--recipe", str(recipe), "--steps", "4", "--batch-size", "4", "--setups", "ddp", "--out",
-                  str(tmp_path / "s"), f"target={tiny_target_dir}", f"data.train={chat_jsonl}",
-                  f"data.holdout={chat_jsonl}", "data.max_length=64"])
+    scaling.main(
+        [
+            "--recipe",
+            str(recipe),
+            "--steps",
+            "4",
+            "--batch-size",
+            "4",
+            "--setups",
+            "ddp",
+            "--out",
+            str(tmp_path / "s"),
+            f"target={tiny_target_dir}",
+            f"data.train={chat_jsonl}",
+            f"data.holdout={chat_jsonl}",
+            "data.max_length=64",
+        ]
+    )
     rows = json.loads((tmp_path / "s" / "scaling.json").read_text())["rows"]
     assert [(r["setup"], r["processes"]) for r in rows] == [("ddp", 1), ("ddp", 2)]
     assert all(r["tokens_per_s"] > 0 and r["peak_rss_gb_rank0"] > 0 for r in rows)

@@ -45,7 +45,7 @@ def models():
     tok = make_tokenizer()
     target = lively(0, 4, len(tok))
     other = lively(5, 1, len(tok))  # a distinct "student"
-    tiny = lively(6, 1, len(tok))   # a drafting model for level 1
+    tiny = lively(6, 1, len(tok))  # a drafting model for level 1
     return tok, target, other, tiny
 
 
@@ -78,10 +78,12 @@ def test_the_draft_is_the_mids_greedy_continuation_whatever_its_cache_held(model
 
 def _levels(kind, target, other, tiny):
     """(low, mid) for one cascade under test."""
-    return {"ngram+student": (NgramProposer(), other),
-            "ngram+skip": (NgramProposer(), SkipLayers(target, [1, 2])),
-            "student+skip": (StudentProposer(tiny), SkipLayers(target, [2])),
-            "ngram+target": (NgramProposer(), target)}[kind]
+    return {
+        "ngram+student": (NgramProposer(), other),
+        "ngram+skip": (NgramProposer(), SkipLayers(target, [1, 2])),
+        "student+skip": (StudentProposer(tiny), SkipLayers(target, [2])),
+        "ngram+target": (NgramProposer(), target),
+    }[kind]
 
 
 @pytest.mark.parametrize("kind", ["ngram+student", "ngram+skip", "student+skip", "ngram+target"])
@@ -91,8 +93,9 @@ def test_greedy_cascade_is_token_exact_and_its_level_counts_add_up(models, kind)
     cascade, k, max_new, stats = CascadeProposer(*_levels(kind, target, other, tiny)), 4, 26, Stats(k=4)
     for text in TEXTS:
         prompt = tok(text)["input_ids"]
-        assert speculative_decode(target, cascade, prompt, k, max_new, set(), None, stats) == \
-            target_decode(target, prompt, max_new, set())
+        assert speculative_decode(target, cascade, prompt, k, max_new, set(), None, stats) == target_decode(
+            target, prompt, max_new, set()
+        )
     s = cascade.level_stats(stats)
     assert s["rounds"] == stats.passes and stats.proposed == k * s["rounds"]
     assert s["mid_tokens"] == k * s["rounds"]  # each round drafts exactly k tokens
@@ -116,7 +119,9 @@ def test_cascade_sampling_matches_target_distribution(peaked_target):
     assert s["rounds"] > 0 and s["low_accepted"] > 0  # sampled contexts re-sync the mid's cache every round
     # Negative control: accepting every draft emits the mid's greedy tokens, and the test notices
     # (with a quarter of the samples: the deterministic drafts are far from the target's distribution).
-    broken = _collect(lambda s: speculative_decode(target, cascade, PROMPT, k, 3, set(), AcceptAll(1.0, 1.0, seed=s)), N // 4)
+    broken = _collect(
+        lambda s: speculative_decode(target, cascade, PROMPT, k, 3, set(), AcceptAll(1.0, 1.0, seed=s)), N // 4
+    )
     assert chi_square_p(ref, broken) < 1e-3
 
 
@@ -131,8 +136,11 @@ def test_bad_cascades_are_one_line_errors(models):
     feature_drafter = eagle.make_proposer(eagle.build(cfg, target), target, cfg)
     wrong_vocab = make_target(seed=7, vocab=64, layers=1)
     cases = [
-        ([NgramProposer(), NgramProposer()], ["ngram", "ngram"],
-         r"^--cascade: level 2 'ngram' cannot verify drafts; the intermediate must be a model \(a distilled student"),
+        (
+            [NgramProposer(), NgramProposer()],
+            ["ngram", "ngram"],
+            r"^--cascade: level 2 'ngram' cannot verify drafts; the intermediate must be a model \(a distilled student",
+        ),
         ([NgramProposer(), object()], ["ngram", "thing"], "level 2 'thing' cannot verify drafts"),
         ([NgramProposer(), NoLogits()], ["ngram", "nologits"], "level 2 'nologits' cannot verify drafts"),
         ([NgramProposer(), feature_drafter], ["ngram", "eagle"], "level 2 'eagle' cannot verify drafts"),

@@ -6,20 +6,48 @@ from draftsmith.cli import main
 from tests.conftest import lossless_ok
 
 
-def test_compare_writes_one_row_per_drafter_and_holdout_with_a_shared_baseline(tiny_target_dir, chat_jsonl, tmp_path,
-                                                                               capsys):
+def test_compare_writes_one_row_per_drafter_and_holdout_with_a_shared_baseline(
+    tiny_target_dir, chat_jsonl, tmp_path, capsys
+):
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train
     from tests.test_train import _overrides
 
-    run = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{
-        "drafter.type": "medusa", "drafter.num_heads": 2})))
+    run = train(
+        load_config(
+            None,
+            _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{"drafter.type": "medusa", "drafter.num_heads": 2}),
+        )
+    )
     other = tmp_path / "other.jsonl"
     other.write_text("".join(json.dumps({"prompt": f"count {i}", "completion": "0123"}) + "\n" for i in range(4)))
     out = tmp_path / "cmp"
-    assert main(["compare", "--drafter", f"{run / 'final'}@static:[[0],[1],[0,0]]", "--drafter", "ngram",
-                 "--drafter", "none", "--data", str(chat_jsonl), "--data", str(other), "--k", "2",
-                 "--num-prompts", "3", "--max-new-tokens", "8", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--drafter",
+                f"{run / 'final'}@static:[[0],[1],[0,0]]",
+                "--drafter",
+                "ngram",
+                "--drafter",
+                "none",
+                "--data",
+                str(chat_jsonl),
+                "--data",
+                str(other),
+                "--k",
+                "2",
+                "--num-prompts",
+                "3",
+                "--max-new-tokens",
+                "8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     reports = json.loads((out / "compare.json").read_text())
     assert len(reports) == 6 and {f.name for f in out.iterdir()} == {"compare.json", "compare.md", "compare.png"}
     assert all(lossless_ok(r) for r in reports)
@@ -31,15 +59,31 @@ def test_compare_writes_one_row_per_drafter_and_holdout_with_a_shared_baseline(t
     assert "| ngram |" in (out / "compare.md").read_text() and "| drafter | holdout |" in capsys.readouterr().out
 
 
-def test_allow_stale_is_required_for_another_target_and_the_report_marks_it(tiny_target_dir, other_target_dir, chat_jsonl,
-                                                                            tmp_path, capsys):
+def test_allow_stale_is_required_for_another_target_and_the_report_marks_it(
+    tiny_target_dir, other_target_dir, chat_jsonl, tmp_path, capsys
+):
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train
     from tests.test_train import _overrides
 
     run = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{"optim.max_steps": 2})))
-    args = ["eval", "--drafter", str(run / "final"), "--target", str(other_target_dir), "--data", str(chat_jsonl),
-            "--num-prompts", "2", "--max-new-tokens", "8", "--k", "2", "--out", str(tmp_path / "stale")]
+    args = [
+        "eval",
+        "--drafter",
+        str(run / "final"),
+        "--target",
+        str(other_target_dir),
+        "--data",
+        str(chat_jsonl),
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--k",
+        "2",
+        "--out",
+        str(tmp_path / "stale"),
+    ]
     assert main(args) == 1 and "trained for target" in capsys.readouterr().err
     assert main(args + ["--allow-stale"]) == 0
     report = json.loads((tmp_path / "stale" / "report.json").read_text())
@@ -67,12 +111,39 @@ def test_training_free_and_combined_drafters_by_name_are_lossless(tiny_target_di
     from draftsmith.train.loop import train
     from tests.test_train import _overrides
 
-    student = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{
-        "drafter.type": "distill", "drafter.num_layers": 1, "optim.max_steps": 2, "run": "student"}))) / "final"
+    student = (
+        train(
+            load_config(
+                None,
+                _overrides(
+                    tiny_target_dir,
+                    chat_jsonl,
+                    tmp_path,
+                    **{"drafter.type": "distill", "drafter.num_layers": 1, "optim.max_steps": 2, "run": "student"},
+                ),
+            )
+        )
+        / "final"
+    )
     out = tmp_path / "cmp"
     flags = ["--data", str(chat_jsonl), "--k", "2", "--num-prompts", "2", "--max-new-tokens", "8"]
-    assert main(["compare", "--drafter", "lookahead:W=4,G=2", "--drafter", f"hybrid:{student}", "--drafter",
-                 f"cascade:ngram,{student}", *flags, "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--drafter",
+                "lookahead:W=4,G=2",
+                "--drafter",
+                f"hybrid:{student}",
+                "--drafter",
+                f"cascade:ngram,{student}",
+                *flags,
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     reports = json.loads((out / "compare.json").read_text())
     assert [r["drafter"].split(" ")[0] for r in reports] == ["lookahead:W=4,N=3,G=2", "hybrid", "cascade"]
     assert all(lossless_ok(r) for r in reports)
@@ -84,22 +155,60 @@ def test_training_free_and_combined_drafters_by_name_are_lossless(tiny_target_di
     assert "level 2 'ngram' cannot verify drafts" in capsys.readouterr().err
 
 
-def test_block_drafters_run_in_compare_the_batch_curve_and_the_hybrid_like_any_drafter(tiny_target_dir, chat_jsonl,
-                                                                                      tmp_path):
+def test_block_drafters_run_in_compare_the_batch_curve_and_the_hybrid_like_any_drafter(
+    tiny_target_dir, chat_jsonl, tmp_path
+):
     """P-EAGLE and DFlash, trained by the loop: compare (with a batch-size curve) and hybrid:PATH,
     every greedy row lossless, chains of their own length."""
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train
     from tests.test_train import _overrides
 
-    runs = {family: train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{
-        "drafter.type": family, "optim.max_steps": 2, "run": family, **extra}))) / "final"
-        for family, extra in (("peagle", {"drafter.aux_layers": [0, 1, 1], "drafter.depths": 3, "drafter.draft_vocab_size": 60}),
-                              ("dflash", {"drafter.aux_layers": [0], "drafter.block_size": 4}))}
+    runs = {
+        family: train(
+            load_config(
+                None,
+                _overrides(
+                    tiny_target_dir,
+                    chat_jsonl,
+                    tmp_path,
+                    **{"drafter.type": family, "optim.max_steps": 2, "run": family, **extra},
+                ),
+            )
+        )
+        / "final"
+        for family, extra in (
+            ("peagle", {"drafter.aux_layers": [0, 1, 1], "drafter.depths": 3, "drafter.draft_vocab_size": 60}),
+            ("dflash", {"drafter.aux_layers": [0], "drafter.block_size": 4}),
+        )
+    }
     out = tmp_path / "cmp"
-    assert main(["compare", "--drafter", str(runs["peagle"]), "--drafter", str(runs["dflash"]), "--drafter",
-                 f"hybrid:{runs['dflash']}", "--data", str(chat_jsonl), "--k", "3", "--num-prompts", "2",
-                 "--max-new-tokens", "8", "--batch-sizes", "1,2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--drafter",
+                str(runs["peagle"]),
+                "--drafter",
+                str(runs["dflash"]),
+                "--drafter",
+                f"hybrid:{runs['dflash']}",
+                "--data",
+                str(chat_jsonl),
+                "--k",
+                "3",
+                "--num-prompts",
+                "2",
+                "--max-new-tokens",
+                "8",
+                "--batch-sizes",
+                "1,2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     reports = json.loads((out / "compare.json").read_text())
     assert [r["drafter"].split(" ")[0] for r in reports] == ["peagle", "dflash", "hybrid"]
     assert all(lossless_ok(r) and r["k"] == 3 and not r["tree"] for r in reports)

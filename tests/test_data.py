@@ -8,21 +8,36 @@ from draftsmith.data.corpus import builtin_corpus
 from draftsmith.data.load import read_records, to_messages, tokenize_example
 from tests.conftest import make_tokenizer
 
-CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello!"}, {"role": "user", "content": "more"},
-        {"role": "assistant", "content": "ok"}]
+CHAT = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello!"},
+    {"role": "user", "content": "more"},
+    {"role": "assistant", "content": "ok"},
+]
 
 
 def _masked_text(tok, ex):
-    return tok.decode([t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m], skip_special_tokens=False).replace(" ", "")  # char-level decode joins with spaces
+    return tok.decode([t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m], skip_special_tokens=False).replace(
+        " ", ""
+    )  # char-level decode joins with spaces
 
 
-@pytest.mark.parametrize("row", [
-    {"messages": CHAT},
-    {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"},
-                       {"from": "gpt", "value": "hello!"}, {"from": "human", "value": "more"},
-                       {"from": "gpt", "value": "ok"}]},
-])
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"messages": CHAT},
+        {
+            "conversations": [
+                {"from": "system", "value": "be brief"},
+                {"from": "human", "value": "hi"},
+                {"from": "gpt", "value": "hello!"},
+                {"from": "human", "value": "more"},
+                {"from": "gpt", "value": "ok"},
+            ]
+        },
+    ],
+)
 def test_loss_mask_covers_exactly_the_assistant_turns(row):
     tok = make_tokenizer()
     ex = tokenize_example(tok, to_messages(row, "t"), 512, "t")
@@ -72,8 +87,10 @@ def test_batches_are_deterministic_and_cover_every_example():
     assert a == epoch_batches(lengths, 8, seed=3, epoch=1, group_by_length=True)
     assert a != epoch_batches(lengths, 8, seed=3, epoch=2, group_by_length=True)
     assert sorted(i for b in a for i in b) == list(range(103))
-    batch = collate([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "idx": 0},
-                     {"input_ids": [8], "loss_mask": [1], "idx": 1}], pad_id=0)
+    batch = collate(
+        [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "idx": 0}, {"input_ids": [8], "loss_mask": [1], "idx": 1}],
+        pad_id=0,
+    )
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
@@ -120,6 +137,7 @@ def test_split_of_a_dataset_folder(tmp_path):
 
     folder = tmp_path / "ultrachat"
     (folder / "data").mkdir(parents=True)
+
     def chat(i):
         return {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}]}
 
@@ -130,8 +148,11 @@ def test_split_of_a_dataset_folder(tmp_path):
     ds = build_dataset(str(folder), make_tokenizer(), 128, split="train_sft")
     assert sorted(ds["idx"]) == list(range(5))
     assert load_prompts(str(folder), split="test_sft") == [[{"role": "user", "content": "q9"}]]
-    with pytest.raises(DraftsmithError, match=r"ultrachat: no split 'train' \(data.split / data.holdout_split\); "
-                                              r"its splits are (test_sft, train_sft|train_sft, test_sft)$"):
+    with pytest.raises(
+        DraftsmithError,
+        match=r"ultrachat: no split 'train' \(data.split / data.holdout_split\); "
+        r"its splits are (test_sft, train_sft|train_sft, test_sft)$",
+    ):
         read_records(str(folder))
     # A single file holds one split: the split asked for is ignored (so a jsonl holdout serves any holdout_split).
     assert read_records(_write_jsonl(tmp_path / "t.jsonl", test), split="test_sft") == test
@@ -141,10 +162,19 @@ def test_malformed_records_are_skipped_with_a_count_or_stop_the_build(tmp_path, 
     from draftsmith.data.load import load_prompts
 
     good = {"messages": CHAT}
-    path = _write_jsonl(tmp_path / "chat.jsonl", [
-        good, good, '{"messages": oops}', good,
-        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"}]},
-        {"messages": "hello"}, {"question": "x"}, good])
+    path = _write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            good,
+            good,
+            '{"messages": oops}',
+            good,
+            {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"}]},
+            {"messages": "hello"},
+            {"question": "x"},
+            good,
+        ],
+    )
     ds = build_dataset(path, make_tokenizer(), 128)
     assert sorted(ds["idx"]) == [0, 1, 3, 7]  # record numbers, kept through the skips
     lines = [line for line in capsys.readouterr().err.splitlines() if "malformed" in line]  # not progress bars
@@ -154,11 +184,15 @@ def test_malformed_records_are_skipped_with_a_count_or_stop_the_build(tmp_path, 
     assert f"; {path}:6: 'messages' must be a non-empty list of {{role, content}} strings, got 'hello')" in lines[0]
     assert ":7:" not in lines[0]  # the first 3 reasons only
     assert len(load_prompts(path)) == 4
-    for build in (lambda: build_dataset(path, make_tokenizer(), 128, malformed="error"),
-                  lambda: load_prompts(path, malformed="error")):
+    for build in (
+        lambda: build_dataset(path, make_tokenizer(), 128, malformed="error"),
+        lambda: load_prompts(path, malformed="error"),
+    ):
         with pytest.raises(DraftsmithError, match=rf"^{path}:3: malformed JSON line"):
             build()
-    with pytest.raises(DraftsmithError, match=r"bad.jsonl: all 2 records are malformed \(.*bad.jsonl:1: .*bad.jsonl:2: "):
+    with pytest.raises(
+        DraftsmithError, match=r"bad.jsonl: all 2 records are malformed \(.*bad.jsonl:1: .*bad.jsonl:2: "
+    ):
         build_dataset(_write_jsonl(tmp_path / "bad.jsonl", ["[1]", {"messages": []}]), make_tokenizer(), 128)
 
 
@@ -176,8 +210,11 @@ def test_qwen3_like_multi_turn_is_refused_and_single_turn_kept(tmp_path, capsys)
     from tests.templates import QWEN3_LIKE
 
     tok = make_tokenizer(QWEN3_LIKE)
-    with pytest.raises(DraftsmithError, match=r"^t: the chat template renders turn 2 \(assistant\) differently once "
-                                              r"later turns follow, .*\{% generation %\} markers avoids this$"):
+    with pytest.raises(
+        DraftsmithError,
+        match=r"^t: the chat template renders turn 2 \(assistant\) differently once "
+        r"later turns follow, .*\{% generation %\} markers avoids this$",
+    ):
         tokenize_example(tok, CHAT, 512, "t")
     single = tokenize_example(tok, CHAT[:3], 512, "t")
     # Compared as ids: the test tokenizer has no token for "\n\n" (its unknown token stands in).
@@ -197,14 +234,19 @@ def test_generation_markers_mask_exactly_the_assistant_tokens():
     assert mask_method(tok) == "generation markers"
     assert _masked_text(tok, ex) == "hello!<|im_end|>ok<|im_end|>"
     last = tok.encode("<think>\n\n</think>\n\nok<|im_end|>\n", add_special_tokens=False)  # the think block, unmasked
-    assert ex["input_ids"][-len(last):] == last and ex["loss_mask"][-len(last):] == [0] * (len(last) - 4) + [1] * 3 + [0]
+    assert ex["input_ids"][-len(last) :] == last and ex["loss_mask"][-len(last) :] == [0] * (len(last) - 4) + [
+        1
+    ] * 3 + [0]
     assert tokenize_example(tok, CHAT, 20, "t")["loss_mask"] == ex["loss_mask"][:20]
 
 
-@pytest.mark.parametrize("template, masked", [
-    ("QWEN25_LIKE", "hello!<|im_end|>\nok<|im_end|>\n"),
-    ("LLAMA31_LIKE", "hello!<|im_end|>ok<|im_end|>"),
-])
+@pytest.mark.parametrize(
+    "template, masked",
+    [
+        ("QWEN25_LIKE", "hello!<|im_end|>\nok<|im_end|>\n"),
+        ("LLAMA31_LIKE", "hello!<|im_end|>ok<|im_end|>"),
+    ],
+)
 def test_injected_system_headers_keep_prefix_masks_exact(template, masked):
     """A system header the template adds to every rendering (Qwen2.5's default prompt, Llama-3.1's
     knowledge-date lines) is stable across prefixes, so prefix rendering stays exact."""

@@ -30,13 +30,21 @@ from tests.test_train import _overrides, _weights
 # Every DeepSpeed run is compared with the 1-process reference weight for weight: fp32 on every CPU.
 pytestmark = [MULTIPROCESS, pytest.mark.fp32_exact]
 ROOT = Path(__file__).resolve().parents[1]
-no_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                  reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install -e '.[deepspeed]')")
+no_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install -e '.[deepspeed]')",
+)
 # 4 optimizer steps of 8 examples: 1 process x 4 x 2 accumulated, or 2 processes x 2 x 2. Warmup, a
 # cosine schedule and clipping are on (0.01 clips every step here: without it the weights move by
 # 4e-3), so the engine's accumulation and clipping and the loop's schedule are all compared.
-STEPS = {"optim.max_steps": 4, "optim.grad_accum": 2, "optim.clip_grad": 0.01, "drafter.feature_noise": 0,
-         "optim.mixed_precision": "no", "target_dtype": "float32"}
+STEPS = {
+    "optim.max_steps": 4,
+    "optim.grad_accum": 2,
+    "optim.clip_grad": 0.01,
+    "drafter.feature_noise": 0,
+    "optim.mixed_precision": "no",
+    "target_dtype": "float32",
+}
 
 
 def _env():
@@ -46,8 +54,18 @@ def _env():
 
 
 def _torchrun(procs: int, args: list[str], check: bool = True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
-           "-m", "draftsmith.cli", "train", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(procs),
+        "-m",
+        "draftsmith.cli",
+        "train",
+        *args,
+    ]
     out = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True)
     if check and out.returncode != 0:
         raise AssertionError(f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
@@ -62,9 +80,15 @@ def _same(a: dict, b: dict, atol: float = 1e-5) -> bool:
 def runs(tiny_target_dir, tmp_path_factory):
     """The data, an empty recipe, and the 1-process reference run every DeepSpeed run must match."""
     tmp = tmp_path_factory.mktemp("ds")
-    rows = [{"messages": [{"role": "user", "content": f"say {i}"},
-                          {"role": "assistant", "content": "".join(chr(97 + (i * 7 + j) % 26) for j in range(20 + i % 13))}]}
-            for i in range(48)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"say {i}"},
+                {"role": "assistant", "content": "".join(chr(97 + (i * 7 + j) % 26) for j in range(20 + i % 13))},
+            ]
+        }
+        for i in range(48)
+    ]
     data = tmp / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     recipe = tmp / "empty.yaml"
@@ -78,9 +102,19 @@ def runs(tiny_target_dir, tmp_path_factory):
 def zero3(runs):
     """A ZeRO-3 run on 2 processes launched with torchrun and the recipe's `deepspeed:` key, saving a
     checkpoint at step 2 of 4, then running the eval stage (rank 0 evaluates final/)."""
-    args = [runs.recipe, *runs.common, "run=zero3", "optim.batch_size=2", "save_every=2", "keep_last=5",
-            "eval.enabled=true", "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.k=2",
-            f"deepspeed={ROOT / 'recipes/deepspeed/zero3.json'}"]
+    args = [
+        runs.recipe,
+        *runs.common,
+        "run=zero3",
+        "optim.batch_size=2",
+        "save_every=2",
+        "keep_last=5",
+        "eval.enabled=true",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=8",
+        "eval.k=2",
+        f"deepspeed={ROOT / 'recipes/deepspeed/zero3.json'}",
+    ]
     return runs.tmp / "zero3", _torchrun(2, args).stdout
 
 
@@ -112,8 +146,20 @@ def test_zero3_matches_one_process_shards_the_target_and_writes_a_whole_final(ru
 @no_deepspeed
 def test_zero2_preset_through_launch_sh_matches_one_process(runs):
     # The GPU route (accelerate launch --config_file recipes/accelerate/zero2.yaml), on CPUs.
-    cmd = ["bash", "launch.sh", runs.recipe, "--preset", "zero2", "--cpu-procs", "2", "--main-port", "0",
-           *runs.common, "run=zero2", "optim.batch_size=2"]
+    cmd = [
+        "bash",
+        "launch.sh",
+        runs.recipe,
+        "--preset",
+        "zero2",
+        "--cpu-procs",
+        "2",
+        "--main-port",
+        "0",
+        *runs.common,
+        "run=zero2",
+        "optim.batch_size=2",
+    ]
     out = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-6000:]
     assert "2 process(es)" in out.stdout and "DeepSpeed ZeRO-2" in out.stdout
@@ -125,15 +171,22 @@ def test_zero2_preset_through_launch_sh_matches_one_process(runs):
 def test_zero3_checkpoint_resumes_and_refuses_another_world_size(runs, zero3):
     run, _ = zero3
     step2 = run / "step-000002"
-    resumed = [runs.recipe, *runs.common, "optim.batch_size=2", f"resume={step2}",
-               f"deepspeed={ROOT / 'recipes/deepspeed/zero3.json'}"]
+    resumed = [
+        runs.recipe,
+        *runs.common,
+        "optim.batch_size=2",
+        f"resume={step2}",
+        f"deepspeed={ROOT / 'recipes/deepspeed/zero3.json'}",
+    ]
     out = _torchrun(2, [*resumed, "run=resumed"])
     assert f"resumed from {step2} at step 2" in out.stdout
     assert _same(_weights(run), _weights(runs.tmp / "resumed"), atol=1e-6)
     out = _torchrun(1, [*resumed, "run=one-rank"], check=False)
     assert out.returncode != 0
-    assert (f"{step2}: written by 2 processes under DeepSpeed ZeRO-3, whose optimizer state is partitioned 2 ways "
-            "and DeepSpeed cannot repartition it; resume with 2 processes") in out.stderr
+    assert (
+        f"{step2}: written by 2 processes under DeepSpeed ZeRO-3, whose optimizer state is partitioned 2 ways "
+        "and DeepSpeed cannot repartition it; resume with 2 processes"
+    ) in out.stderr
 
 
 @pytest.mark.deepspeed
@@ -155,7 +208,9 @@ def test_deepspeed_cpu_adam_steps_like_torch_adamw(monkeypatch):
 
     def run(make):
         params = [p.clone().requires_grad_() for p in start]
-        opt = make([{"params": [params[0]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0, "lr": 3e-3}])
+        opt = make(
+            [{"params": [params[0]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0, "lr": 3e-3}]
+        )
         for step in grads:
             for p, g in zip(params, step):
                 p.grad = g.clone()
@@ -171,15 +226,25 @@ def test_deepspeed_cpu_adam_steps_like_torch_adamw(monkeypatch):
 
 def test_deepspeed_config_is_filled_from_the_recipe_and_a_mismatch_is_one_line():
     cfg = load_config(None, ["optim.batch_size=3", "optim.grad_accum=2", "optim.clip_grad=0.5"])
-    ds = {"gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto",
-          "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_param_persistence_threshold": 7}}
+    ds = {
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_param_persistence_threshold": 7},
+    }
     acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=ds)), num_processes=4)
     fill_deepspeed_config(acc, cfg, hidden=16)
-    assert ds == {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": 3,
-                  "train_batch_size": 24,  # 3 per process x 4 processes x 2 accumulated
-                  "zero_optimization": {"stage": 3, "reduce_bucket_size": 256, "stage3_param_persistence_threshold": 7}}
+    assert ds == {
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        "train_micro_batch_size_per_gpu": 3,
+        "train_batch_size": 24,  # 3 per process x 4 processes x 2 accumulated
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 256, "stage3_param_persistence_threshold": 7},
+    }
     ds.update(gradient_clipping=1.0)
-    with pytest.raises(DraftsmithError, match=r"gradient_clipping is 1.0 but optim.clip_grad is 0.5; set it to \"auto\""):
+    with pytest.raises(
+        DraftsmithError, match=r"gradient_clipping is 1.0 but optim.clip_grad is 0.5; set it to \"auto\""
+    ):
         fill_deepspeed_config(acc, cfg, hidden=16)
 
 
@@ -201,8 +266,20 @@ def test_zero3_offload_preset_through_launch_sh_matches_one_process(runs):
     dicts, so the schedule still applies); weight decay is on so that an L2-style Adam would show."""
     common = [*runs.common, "optim.weight_decay=0.1"]
     one = train(load_config(None, [*common, "run=one-wd", "optim.batch_size=4"]))
-    cmd = ["bash", "launch.sh", runs.recipe, "--preset", "zero3-offload", "--cpu-procs", "2", "--main-port", "0",
-           *common, "run=zero3off", "optim.batch_size=2"]
+    cmd = [
+        "bash",
+        "launch.sh",
+        runs.recipe,
+        "--preset",
+        "zero3-offload",
+        "--cpu-procs",
+        "2",
+        "--main-port",
+        "0",
+        *common,
+        "run=zero3off",
+        "optim.batch_size=2",
+    ]
     out = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-6000:]
     assert "2 process(es)" in out.stdout and "DeepSpeed ZeRO-3" in out.stdout

@@ -30,8 +30,9 @@ def _cfg(**kw):
 
 
 def _feats(target, cfg, ids):
-    return target_features(target, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                           dflash.feature_names(cfg, target.config))
+    return target_features(
+        target, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, dflash.feature_names(cfg, target.config)
+    )
 
 
 def test_block_mask_sees_ctx_before_the_anchor_and_its_whole_block():
@@ -48,8 +49,12 @@ def test_block_mask_sees_ctx_before_the_anchor_and_its_whole_block():
         assert m[q, :10].tolist() == [True] * 6 + [False] * 4
         assert m[q, 10:].tolist() == [False] * 3 + [True] * 3
     # A shorter sequence's padding slots see themselves only.
-    _, _, mask = dflash.block_inputs(ids.repeat(2, 1), attn.repeat(2, 1), [torch.tensor([3, 6]), torch.tensor([5])], 3, 99)
-    assert mask[1, 0, 3:, :10].sum() == 0 and mask[1, 0, 3:, 10:].tolist() == torch.eye(6, dtype=torch.bool)[3:].tolist()
+    _, _, mask = dflash.block_inputs(
+        ids.repeat(2, 1), attn.repeat(2, 1), [torch.tensor([3, 6]), torch.tensor([5])], 3, 99
+    )
+    assert (
+        mask[1, 0, 3:, :10].sum() == 0 and mask[1, 0, 3:, 10:].tolist() == torch.eye(6, dtype=torch.bool)[3:].tolist()
+    )
 
 
 def test_training_slots_equal_the_proposers_block(target4):
@@ -112,8 +117,9 @@ def test_training_learns_and_greedy_stays_lossless(target4, extra):
     assert speculative_greedy(target4, proposer, prompt, 3, 30, {2}, stats) == target_greedy(target4, prompt, 30, {2})
     assert stats.passes  # (a random target decodes off the training rows: acceptance is not asserted)
     # Sampled drafts carry their distribution q for the rejection rule; the engine refuses trees.
-    draft = proposer.propose(torch.tensor([prompt + [7]]), _feats(target4, cfg, torch.tensor([prompt])), 3,
-                             Sampler(1.0, seed=0))
+    draft = proposer.propose(
+        torch.tensor([prompt + [7]]), _feats(target4, cfg, torch.tensor([prompt])), 3, Sampler(1.0, seed=0)
+    )
     assert len(draft.tokens) == 3 and all(q is not None and abs(float(q.sum()) - 1) < 1e-5 for q in draft.qs)
     with pytest.raises(DraftsmithError, match="proposes chains only"):
         evaluate(proposer, "dflash", target4, None, None, None, tree="dynamic:depth=2,top_k=2,tokens=3")
@@ -153,9 +159,19 @@ def test_speculators_export_is_what_vllm_reads_and_round_trips(target4, tmp_path
     assert sc["verifier"]["name_or_path"] == "tiny"
     assert state["fc.weight"].shape == (32, 3 * 32)
     for i in range(2):
-        for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                     "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj",
-                     "mlp.up_proj", "mlp.down_proj"):
+        for name in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "self_attn.q_norm",
+            "self_attn.k_norm",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ):
             assert f"layers.{i}.{name}.weight" in state
     assert {"hidden_norm.weight", "norm.weight"} <= set(state)
     assert not {"d2t", "t2d", "embed_tokens.weight", "lm_head.weight"} & set(state)  # vLLM shares the target's
@@ -172,26 +188,40 @@ def test_native_zlab_layout_is_read_by_init_from(target4, tmp_path):
     native.mkdir()
     state = load_file(out / "model.safetensors")
     save_file(state, native / "model.safetensors")
-    (native / "config.json").write_text(json.dumps({
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "num_hidden_layers": 2, "block_size": 4,
-        "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 1, 2]}}))
+    (native / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DFlashDraftModel"],
+                "model_type": "qwen3",
+                "num_hidden_layers": 2,
+                "block_size": 4,
+                "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 1, 2]},
+            }
+        )
+    )
     assert export_family(native) == "dflash"
     got = dflash.from_init(dflash.DrafterConfig(), json.loads((native / "config.json").read_text()), target4.config)
     assert (got.aux_layers, got.num_layers, got.block_size, got.mask_token_id) == ([0, 1, 2], 2, 4, 5)
     with pytest.raises(DraftsmithError, match="trained on layers"):
-        dflash.from_init(dflash.DrafterConfig(aux_layers=[0, 1]), {"dflash_config": {"target_layer_ids": [0, 1, 2]}},
-                         target4.config)
+        dflash.from_init(
+            dflash.DrafterConfig(aux_layers=[0, 1]), {"dflash_config": {"target_layer_ids": [0, 1, 2]}}, target4.config
+        )
     fresh = dflash.build(got, target4)
     init_weights(fresh, "dflash", native, target4)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in state.items())
     # The speculators export names layer inputs: from_init reads them back as outputs.
-    assert dflash.from_init(dflash.DrafterConfig(), json.loads((out / "config.json").read_text()),
-                            target4.config).aux_layers == [0, 1, 2]
+    assert dflash.from_init(
+        dflash.DrafterConfig(), json.loads((out / "config.json").read_text()), target4.config
+    ).aux_layers == [0, 1, 2]
 
 
 def test_bad_configs_are_one_line_errors(target4):
-    for kw, match in [({"block_size": 1}, "drafter.block_size"), ({"aux_layers": [0, 1, 1]}, "repeated layer ids"),
-                      ({"loss": "kl"}, "unknown loss 'kl'"), ({"position_weighting": "x"}, "position_weighting")]:
+    for kw, match in [
+        ({"block_size": 1}, "drafter.block_size"),
+        ({"aux_layers": [0, 1, 1]}, "repeated layer ids"),
+        ({"loss": "kl"}, "unknown loss 'kl'"),
+        ({"position_weighting": "x"}, "position_weighting"),
+    ]:
         with pytest.raises(DraftsmithError, match=match) as e:
             dflash.DrafterConfig(**kw)
         assert "\n" not in str(e.value)

@@ -65,23 +65,29 @@ def test_a_student_with_another_tokenizer_is_rejected(tiny_target, tmp_path):
     tok.add_tokens(["<extra>"])
     make_target(vocab=len(tok)).save_pretrained(tmp_path / "student")
     tok.save_pretrained(tmp_path / "student")
-    with pytest.raises(DraftsmithError, match=r"tokenizer differs from the target's: token '<extra>' is id \d+ in the "
-                                              r"student and None in the target"):
+    with pytest.raises(
+        DraftsmithError,
+        match=r"tokenizer differs from the target's: token '<extra>' is id \d+ in the "
+        r"student and None in the target",
+    ):
         distill.build(distill.DrafterConfig(init=str(tmp_path / "student")), target)
 
 
 def test_bad_distill_configs_fail_when_the_recipe_loads():
     from draftsmith.train.config import load_config
 
-    with pytest.raises(DraftsmithError, match=r"drafter.divergence: unknown 'kld' \(valid: fkl, rkl, jsd, tvd, nla, lk_hybrid\)"):
+    with pytest.raises(
+        DraftsmithError, match=r"drafter.divergence: unknown 'kld' \(valid: fkl, rkl, jsd, tvd, nla, lk_hybrid\)"
+    ):
         load_config(None, ["drafter.type=distill", "drafter.divergence=kld"])
     with pytest.raises(DraftsmithError, match="0 < beta < 1"):
         load_config(None, ["drafter.type=distill", "drafter.beta=1.5"])
 
 
 @pytest.mark.parametrize("divergence", ["fkl", "tvd"])
-def test_distillation_in_the_shared_loop_evaluates_and_exports_a_plain_causal_lm(tiny_target_dir, chat_jsonl, tmp_path,
-                                                                                divergence):
+def test_distillation_in_the_shared_loop_evaluates_and_exports_a_plain_causal_lm(
+    tiny_target_dir, chat_jsonl, tmp_path, divergence
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftsmith.models.export import export, import_export
@@ -90,9 +96,27 @@ def test_distillation_in_the_shared_loop_evaluates_and_exports_a_plain_causal_lm
     from draftsmith.train.loop import train
     from tests.test_train import _overrides
 
-    run = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{
-        "drafter.type": "distill", "drafter.num_layers": 1, "drafter.divergence": divergence, "optim.max_steps": 8,
-        "optim.lr": 3e-3, "eval.enabled": True, "eval.num_prompts": 2, "eval.max_new_tokens": 12, "eval.k": 3})))
+    run = train(
+        load_config(
+            None,
+            _overrides(
+                tiny_target_dir,
+                chat_jsonl,
+                tmp_path,
+                **{
+                    "drafter.type": "distill",
+                    "drafter.num_layers": 1,
+                    "drafter.divergence": divergence,
+                    "optim.max_steps": 8,
+                    "optim.lr": 3e-3,
+                    "eval.enabled": True,
+                    "eval.num_prompts": 2,
+                    "eval.max_new_tokens": 12,
+                    "eval.k": 3,
+                },
+            ),
+        )
+    )
     log = [json.loads(l) for l in (run / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < log[0]["loss"] and log[-1]["accept"] > log[0]["accept"]
     report = json.loads((run / "eval" / "report.json").read_text())
@@ -124,8 +148,10 @@ def test_on_policy_batches_come_from_the_student_for_a_lambda_fraction_of_rows(t
     from draftsmith.data.batching import collate
 
     target, tok = tiny_target
-    examples = [{"input_ids": [5, 6, 7, 8, 9, 10][: 4 + i % 3], "loss_mask": [0, 0, 1, 1, 1, 1][: 4 + i % 3], "idx": i}
-                for i in range(4)]
+    examples = [
+        {"input_ids": [5, 6, 7, 8, 9, 10][: 4 + i % 3], "loss_mask": [0, 0, 1, 1, 1, 1][: 4 + i % 3], "idx": i}
+        for i in range(4)
+    ]
     batch = collate(examples, 0)
     out = distill.on_policy_batch(AlwaysX(), batch, 2, 16, 1.0, target)
     for i in range(2):  # prompt kept, answer = the student's, loss mask on exactly its tokens
@@ -146,8 +172,10 @@ def test_a_real_student_generates_its_own_answers_and_the_loss_uses_them(tiny_ta
     prompt = tok("say 8")["input_ids"]
     batch = collate([{"input_ids": prompt + [7, 7, 7], "loss_mask": [0] * len(prompt) + [1, 1, 1], "idx": 0}], 0)
     on = distill.on_policy_batch(student, batch, 1, 5, 0.0, target)
-    greedy = student.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, pad_token_id=0)[0, len(prompt):]
-    assert on["input_ids"][0, len(prompt):].tolist() == greedy.tolist()
+    greedy = student.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, pad_token_id=0)[
+        0, len(prompt) :
+    ]
+    assert on["input_ids"][0, len(prompt) :].tolist() == greedy.tolist()
     loss, n, _ = distill.compute_loss(student, target, batch, {}, cfg, step=0)
     assert n == len(greedy) and loss > 0
 
@@ -194,11 +222,17 @@ def test_offline_top_k_logits_cost_2k_plus_1_floats_and_match_the_full_loss_when
     full_feats = {"last_hidden": feats["last_hidden"]}
     for div in ("fkl", "tvd"):
         exact, _, _ = distill.compute_loss(student, target, batch, full_feats, distill.DrafterConfig(divergence=div))
-        as_topk, _, _ = distill.compute_loss(student, target, batch, {f"logits_topk.{V}": feats[f"logits_topk.{V}"]},
-                                             distill.DrafterConfig(divergence=div, offline_topk=V))
+        as_topk, _, _ = distill.compute_loss(
+            student,
+            target,
+            batch,
+            {f"logits_topk.{V}": feats[f"logits_topk.{V}"]},
+            distill.DrafterConfig(divergence=div, offline_topk=V),
+        )
         torch.testing.assert_close(as_topk, exact, rtol=1e-4, atol=1e-4)
-    cut, _, _ = distill.compute_loss(student, target, batch, {"logits_topk.8": feats["logits_topk.8"]},
-                                     distill.DrafterConfig(offline_topk=8))
+    cut, _, _ = distill.compute_loss(
+        student, target, batch, {"logits_topk.8": feats["logits_topk.8"]}, distill.DrafterConfig(offline_topk=8)
+    )
     cut.backward()  # the student learns through the K+1 classes
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
     assert topk_logits(torch.zeros(3, V), 4).shape == (3, 9)
@@ -206,7 +240,9 @@ def test_offline_top_k_logits_cost_2k_plus_1_floats_and_match_the_full_loss_when
 
 def test_a_narrower_student_keeps_the_targets_embeddings_and_attention(tiny_target):
     target, tok = tiny_target
-    student = distill.truncated_student(target, distill.DrafterConfig(num_layers=1, layers="first", intermediate_size=16))
+    student = distill.truncated_student(
+        target, distill.DrafterConfig(num_layers=1, layers="first", intermediate_size=16)
+    )
     assert student.config.intermediate_size == 16 and student.model.layers[0].mlp.up_proj.weight.shape == (16, 32)
     assert torch.equal(student.model.embed_tokens.weight, target.model.embed_tokens.weight)
     assert torch.equal(student.model.layers[0].self_attn.q_proj.weight, target.model.layers[0].self_attn.q_proj.weight)

@@ -39,7 +39,7 @@ def test_feature_i_is_paired_with_token_i_plus_1(tiny_target):
     exact.eval()
     loss, n, m = eagle.compute_loss(exact, target, batch, {"last_hidden": f}, cfg)
     feats_in, embeds_in = exact.calls[0]
-    assert torch.equal(feats_in, f[:, :-1])                                               # position i sees f_i ...
+    assert torch.equal(feats_in, f[:, :-1])  # position i sees f_i ...
     assert torch.equal(embeds_in, target.get_input_embeddings()(batch["input_ids"][:, 1:]))  # ... and token i+1
     # Loss counts position i iff token i+2 is an assistant token: positions 4..9 of 11.
     assert n.item() == 2 * 6
@@ -59,7 +59,9 @@ def test_proposer_cache_matches_a_full_recompute(tiny_target):
     proposer = eagle.make_proposer(drafter, target, eagle.DrafterConfig())
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     tokens = torch.randint(5, 90, (1, 20))
-    f = target_features(target, {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}, ("last_hidden",))["last_hidden"]
+    f = target_features(target, {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}, ("last_hidden",))[
+        "last_hidden"
+    ]
     for n in (8, 11, 12, 17):  # growing context, as rounds accept tokens
         draft = proposer.propose(tokens[:, :n], {"last_hidden": f[:, : n - 1]}, k=3)
         with torch.no_grad():
@@ -89,12 +91,19 @@ def test_hass_alignment_step_j_matches_inference_draft_step_j(tiny_target):
     with torch.no_grad():
         train = drafter(f[:, :t], embed(torch.nn.functional.pad(ids, (0, steps - 1))[:, 1:]), torch.ones(1, t), steps)
         cache = DynamicCache()
-        out = drafter.step(f[:, : root + 1], embed(ids[:, 1 : root + 2]), torch.arange(root + 1)[None],
-                           causal_mask(root + 1, root + 1), cache)[:, -1:]
+        out = drafter.step(
+            f[:, : root + 1],
+            embed(ids[:, 1 : root + 2]),
+            torch.arange(root + 1)[None],
+            causal_mask(root + 1, root + 1),
+            cache,
+        )[:, -1:]
         for j in range(steps):
             assert torch.allclose(out[0, 0], train[j][0, root], atol=1e-5), j
             pos = root + 1 + j
-            out = drafter.step(out, embed(ids[:, pos + 1 : pos + 2]), torch.tensor([[pos]]), causal_mask(1, pos + 1), cache)
+            out = drafter.step(
+                out, embed(ids[:, pos + 1 : pos + 2]), torch.tensor([[pos]]), causal_mask(1, pos + 1), cache
+            )
 
 
 def test_hass_training_counts_every_alignment_step(tiny_target):

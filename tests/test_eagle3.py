@@ -16,7 +16,10 @@ def _cfg(**kw):
 
 def _dataset():
     # Token 7 is the most frequent trained token; token 9 is frequent but never trained (mask 0).
-    return {"input_ids": [[9, 9, 9, 7, 7, 8], [9, 9, 7, 50, 51, 7]], "loss_mask": [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]]}
+    return {
+        "input_ids": [[9, 9, 9, 7, 7, 8], [9, 9, 7, 50, 51, 7]],
+        "loss_mask": [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]],
+    }
 
 
 def test_draft_vocab_is_most_frequent_trained_tokens_with_consistent_maps(tiny_target):
@@ -24,8 +27,8 @@ def test_draft_vocab_is_most_frequent_trained_tokens_with_consistent_maps(tiny_t
     ids = draft_vocab(_dataset(), 105, 4)
     assert ids.tolist() == [7, 8, 50, 51]
     d = eagle3.build(eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=4), target, _dataset())
-    assert (d.to_target_ids(torch.arange(4)) == ids).all()          # d2t: draft id -> target id
-    assert d.t2d.nonzero().flatten().tolist() == ids.tolist()        # t2d marks the same ids
+    assert (d.to_target_ids(torch.arange(4)) == ids).all()  # d2t: draft id -> target id
+    assert d.t2d.nonzero().flatten().tolist() == ids.tolist()  # t2d marks the same ids
     assert torch.equal(d.lm_head.weight, target.get_output_embeddings().weight[ids])  # warm start
     with pytest.raises(DraftsmithError, match="larger than the target vocabulary"):
         draft_vocab(_dataset(), 105, 500)
@@ -37,9 +40,9 @@ def test_ttt_mask_sees_real_prefix_and_own_chain_only():
     m = eagle3.ttt_mask(4, 2, torch.ones(1, 4))[0, 0]
     assert m.shape == (4, 12)
     root = 2
-    assert m[root, :4].tolist() == [True, True, True, False]   # real pairs 0..r
+    assert m[root, :4].tolist() == [True, True, True, False]  # real pairs 0..r
     assert m[root, 4:8].tolist() == [False, False, True, False]  # own step-1 state only
-    assert m[root, 8:].tolist() == [False, False, True, False]   # own step-2 state only
+    assert m[root, 8:].tolist() == [False, False, True, False]  # own step-2 state only
 
 
 @pytest.mark.fp32_exact
@@ -63,9 +66,12 @@ def test_ttt_step_j_matches_inference_draft_step_j(tiny_target):
         train_logits = d(aux, embeds, torch.ones(1, t), sel)
         # Inference: real pairs 0..root, then draft steps fed with the true tokens.
         from transformers import DynamicCache
+
         cache = DynamicCache()
         h = d.fc(aux[:, : root + 1])
-        out = d.step(h, embed(ids[:, 1 : root + 2]), torch.arange(root + 1)[None], causal_mask(root + 1, root + 1), cache)
+        out = d.step(
+            h, embed(ids[:, 1 : root + 2]), torch.arange(root + 1)[None], causal_mask(root + 1, root + 1), cache
+        )
         out = out[:, -1:]
         for j in range(cfg.ttt_steps):
             assert torch.allclose(d.draft_logits(out)[0, 0], train_logits[j][0], atol=1e-5), j
@@ -101,8 +107,12 @@ def test_ttt_loss_learns_and_greedy_stays_lossless(tiny_target):
 
 
 # --- EAGLE-3.1's switches ----------------------------------------------------------------------------
-SWITCH_SETS = [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_output": True},
-               {"norm_before_fc": True, "norm_output": True}]
+SWITCH_SETS = [
+    {"norm_before_fc": True},
+    {"fc_norm": True},
+    {"norm_output": True},
+    {"norm_before_fc": True, "norm_output": True},
+]
 
 
 @pytest.mark.parametrize("switches", SWITCH_SETS, ids=lambda s: "+".join(s))
@@ -128,14 +138,22 @@ def test_eagle31_ttt_unroll_matches_the_proposers_steps(tiny_target, switches):
     with torch.no_grad():
         train_logits = d(aux, embed(torch.nn.functional.pad(ids, (0, 4))[:, 1:]), torch.ones(1, t), sel)
         from transformers import DynamicCache
+
         cache = DynamicCache()
         real = {n: f[:, : root + 1] for n, f in feats.items()}
-        out = proposer.step(proposer.to_hidden(real), embed(ids[:, 1 : root + 2]), torch.arange(root + 1)[None],
-                            causal_mask(root + 1, root + 1), cache)[:, -1:]
+        out = proposer.step(
+            proposer.to_hidden(real),
+            embed(ids[:, 1 : root + 2]),
+            torch.arange(root + 1)[None],
+            causal_mask(root + 1, root + 1),
+            cache,
+        )[:, -1:]
         for j in range(cfg.ttt_steps):
             assert torch.allclose(d.draft_logits(out)[0, 0], train_logits[j][0], atol=1e-5), j
             pos = root + 1 + j
-            out = proposer.step(out, embed(ids[:, pos + 1 : pos + 2]), torch.tensor([[pos]]), causal_mask(1, pos + 1), cache)
+            out = proposer.step(
+                out, embed(ids[:, pos + 1 : pos + 2]), torch.tensor([[pos]]), causal_mask(1, pos + 1), cache
+            )
         plain = eagle3.build(_cfg(), target, _dataset()).eval()
         plain.load_state_dict({k: v for k, v in d.state_dict().items() if k in plain.state_dict()})
         other = plain(aux, embed(torch.nn.functional.pad(ids, (0, 4))[:, 1:]), torch.ones(1, t), sel)

@@ -23,8 +23,12 @@ def _save(tmp_path, module, cfg, target):
     torch.manual_seed(0)
     ds = {"input_ids": [list(range(5, 60))], "loss_mask": [[1] * 55]}
     drafter = module.build(cfg, target, ds)
-    meta = {"drafter": module.NAME, "drafter_config": {"type": module.NAME, **cfg.__dict__}, "target": "tiny",
-            "target_fingerprint": fingerprint(target)}
+    meta = {
+        "drafter": module.NAME,
+        "drafter_config": {"type": module.NAME, **cfg.__dict__},
+        "target": "tiny",
+        "target_fingerprint": fingerprint(target),
+    }
     return save_drafter(drafter, tmp_path / f"{module.NAME}-final", meta)
 
 
@@ -55,8 +59,21 @@ def test_eagle3_sglang_format(tiny_target, tmp_path):
     target, _ = tiny_target
     cfg = eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=40, ttt_steps=2)
     path = _save(tmp_path, eagle3, cfg, target)
-    assert main(["export", str(path), "--format", "sglang", "--out", str(tmp_path / "sg"), "--target",
-                 str(tiny_target[0].name_or_path)]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(path),
+                "--format",
+                "sglang",
+                "--out",
+                str(tmp_path / "sg"),
+                "--target",
+                str(tiny_target[0].name_or_path),
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "sg"
     c, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
     assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["model_type"] == "llama"
@@ -65,8 +82,13 @@ def test_eagle3_sglang_format(tiny_target, tmp_path):
     assert c["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]  # top-level = nested + 1
     assert state["fc.weight"].shape == (H, 3 * H) and state["lm_head.weight"].shape == (40, H)
     assert state["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * H
-    for k in ["midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
-              "midlayer.mlp.gate_proj.weight", "norm.weight"]:
+    for k in [
+        "midlayer.input_layernorm.weight",
+        "midlayer.hidden_norm.weight",
+        "midlayer.post_attention_layernorm.weight",
+        "midlayer.mlp.gate_proj.weight",
+        "norm.weight",
+    ]:
         assert k in state
     assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
     assert "embed_tokens.weight" not in state
@@ -110,18 +132,41 @@ def test_drafters_bench_runs_every_row_on_tiny_drafters_of_every_family(tiny_tar
 
     target, _ = load_target(str(tiny_target_dir))
     paths = {}
-    for module, cfg in ((eagle, eagle.DrafterConfig()), (eagle3, eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=48)),
-                        (medusa, medusa.DrafterConfig(num_heads=2)), (distill, distill.DrafterConfig(num_layers=1))):
+    for module, cfg in (
+        (eagle, eagle.DrafterConfig()),
+        (eagle3, eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=48)),
+        (medusa, medusa.DrafterConfig(num_heads=2)),
+        (distill, distill.DrafterConfig(num_layers=1)),
+    ):
         path = _save(tmp_path, module, cfg, target)
         meta = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**meta, "target": str(tiny_target_dir)}))
         paths[module.NAME] = str(path)
     out = tmp_path / "bench.json"
-    bench.main(["--drafter", f"eagle={paths['eagle']}", "--drafter", f"eagle3={paths['eagle3']}",
-                "--drafter", f"medusa={paths['medusa']}", "--drafter", f"distill={paths['distill']}", "--data",
-                str(chat_jsonl), "--num-prompts", "2",
-                "--max-new-tokens", "8", "--tree", "dynamic:depth=3,top_k=2,tokens=5",
-                "--tree", "medusa=static:[[0],[1],[0,0]]", "--out", str(out)])
+    bench.main(
+        [
+            "--drafter",
+            f"eagle={paths['eagle']}",
+            "--drafter",
+            f"eagle3={paths['eagle3']}",
+            "--drafter",
+            f"medusa={paths['medusa']}",
+            "--drafter",
+            f"distill={paths['distill']}",
+            "--data",
+            str(chat_jsonl),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--tree",
+            "dynamic:depth=3,top_k=2,tokens=5",
+            "--tree",
+            "medusa=static:[[0],[1],[0,0]]",
+            "--out",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     rows = [(r["drafter"], r["tree"], r["temperature"]) for r in result["reports"]]
     assert len(rows) == 14 and ("eagle3", "dynamic:depth=3,top_k=2,tokens=5", 0.7) in rows
@@ -153,16 +198,37 @@ def test_drafters_bench_takes_a_chain_length_per_drafter_for_block_drafters(tiny
 
     target, _ = load_target(str(tiny_target_dir))
     paths = {}
-    for module, cfg in ((eagle3, eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=48)),
-                        (peagle, peagle.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=48, depths=3))):
+    for module, cfg in (
+        (eagle3, eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=48)),
+        (peagle, peagle.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=48, depths=3)),
+    ):
         path = _save(tmp_path, module, cfg, target)
         meta = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**meta, "target": str(tiny_target_dir)}))
         paths[module.NAME] = str(path)
     out = tmp_path / "bench.json"
-    bench.main(["--drafter", f"eagle3={paths['eagle3']}", "--drafter", f"peagle={paths['peagle']}", "--data",
-                str(chat_jsonl), "--num-prompts", "2", "--max-new-tokens", "8", "--temperature", "0",
-                "--k", "5", "--k", "peagle=3", "--out", str(out)])
+    bench.main(
+        [
+            "--drafter",
+            f"eagle3={paths['eagle3']}",
+            "--drafter",
+            f"peagle={paths['peagle']}",
+            "--data",
+            str(chat_jsonl),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--k",
+            "5",
+            "--k",
+            "peagle=3",
+            "--out",
+            str(out),
+        ]
+    )
     rows = [(r["drafter"], r["k"], r["tree"]) for r in json.loads(out.read_text())["reports"]]
     assert ("peagle", 3, None) in rows and ("eagle3", 5, None) in rows
     assert not [r for r in rows if r[0] == "peagle" and r[2]]  # chains only

@@ -21,10 +21,16 @@ def _prose(tree: ast.AST) -> set[int]:
         body = getattr(node, "body", None)
         if isinstance(body, list):
             for i, stmt in enumerate(body):
-                doc = isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
+                doc = (
+                    isinstance(stmt, ast.Expr)
+                    and isinstance(stmt.value, ast.Constant)
+                    and isinstance(stmt.value.value, str)
+                )
                 if doc and (i == 0 or isinstance(body[i - 1], (ast.Assign, ast.AnnAssign))):
                     out.add(id(stmt.value))
-                if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id.endswith("_HELP") for t in stmt.targets):
+                if isinstance(stmt, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id.endswith("_HELP") for t in stmt.targets
+                ):
                     out |= {id(n) for n in ast.walk(stmt.value)}
         if isinstance(node, ast.keyword) and node.arg in HELP_KEYWORDS:
             out |= {id(n) for n in ast.walk(node.value)}

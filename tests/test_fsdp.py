@@ -23,8 +23,16 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tests" / script), *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "tests" / script),
+        *map(str, args),
+    ]
     # A rank that gathers a unit the other does not call would hang: the timeout turns that into a failure.
     out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     # Both streams in the message: the one failure seen in a full-suite run left no cause on record.
@@ -45,7 +53,9 @@ def test_a_sharded_target_gives_the_same_features_losses_and_gradients_and_holds
 
 def test_the_fsdp_preset_on_cpus_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(DraftsmithError, match="the fsdp preset needs GPUs: accelerate enables FSDP only on accelerators"):
+    with pytest.raises(
+        DraftsmithError, match="the fsdp preset needs GPUs: accelerate enables FSDP only on accelerators"
+    ):
         make_accelerator(resolve_precision(load_config(None, [])))
 
 
@@ -54,16 +64,33 @@ def test_training_under_fsdp_matches_one_process_and_resumes(tiny_target_dir, tm
     from tests.test_deepspeed import STEPS, _same
     from tests.test_train import _overrides, _weights
 
-    rows = [{"messages": [{"role": "user", "content": f"say {i}"},
-                          {"role": "assistant", "content": "".join(chr(97 + (i * 7 + j) % 26) for j in range(20 + i % 13))}]}
-            for i in range(48)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"say {i}"},
+                {"role": "assistant", "content": "".join(chr(97 + (i * 7 + j) % 26) for j in range(20 + i % 13))},
+            ]
+        }
+        for i in range(48)
+    ]
     data, recipe = tmp_path / "chat.jsonl", tmp_path / "empty.yaml"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     recipe.write_text("{}\n")
     common = _overrides(tiny_target_dir, data, tmp_path, **STEPS)
     one = train(load_config(None, [*common, "run=one", "optim.batch_size=4"]))
-    out = _torchrun("fsdp_train_worker.py", recipe, *common, "run=fsdp", "optim.batch_size=2", "save_every=2",
-                    "keep_last=5", "eval.enabled=true", "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.k=2")
+    out = _torchrun(
+        "fsdp_train_worker.py",
+        recipe,
+        *common,
+        "run=fsdp",
+        "optim.batch_size=2",
+        "save_every=2",
+        "keep_last=5",
+        "eval.enabled=true",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=8",
+        "eval.k=2",
+    )
     held = re.search(r"target sharded by FSDP: .* \(per-rank bytes \[(\d+), (\d+)\], full (\d+)\)", out.stdout)
     a, b, full = map(int, held.groups())
     assert all(0.45 * full < x < 0.55 * full for x in (a, b)), (a, b, full)

@@ -14,13 +14,21 @@ SCRIPT = ROOT / "scripts" / "gpu-check.sh"
 def test_it_parses_and_refuses_bad_arguments():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
     r = subprocess.run(["bash", str(SCRIPT), "--steps", "0"], capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.strip() == "gpu-check.sh: error: --steps: expected a positive whole number, got '0'"
+    assert (
+        r.returncode == 2
+        and r.stderr.strip() == "gpu-check.sh: error: --steps: expected a positive whole number, got '0'"
+    )
 
 
 @pytest.mark.script
 def test_the_cpu_dry_path_trains_evaluates_and_verifies_one_family(tmp_path):
-    r = subprocess.run(["bash", str(SCRIPT), "--cpu-dry", "--out", str(tmp_path / "gc")], capture_output=True, text=True,
-                       cwd=ROOT, timeout=600)
+    r = subprocess.run(
+        ["bash", str(SCRIPT), "--cpu-dry", "--out", str(tmp_path / "gc")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "launch commands: every family's parses (launch.sh --dry-run)" in r.stdout
     row = next(line for line in r.stdout.splitlines() if line.startswith("| eagle3 |"))

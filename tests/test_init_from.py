@@ -13,10 +13,12 @@ from draftsmith.models.common import load_state, save_drafter
 from draftsmith.models.export import export, init_weights
 from draftsmith.models.target import fingerprint
 
-CASES = [(eagle, eagle.DrafterConfig(), ["vllm", "sglang"]),
-         (eagle3, eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=40), ["sglang", "speculators"]),
-         (medusa, medusa.DrafterConfig(num_heads=2, draft_vocab_size=30, original_lm_head=True), ["vllm"]),
-         (distill, distill.DrafterConfig(num_layers=1), ["hf"])]
+CASES = [
+    (eagle, eagle.DrafterConfig(), ["vllm", "sglang"]),
+    (eagle3, eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=40), ["sglang", "speculators"]),
+    (medusa, medusa.DrafterConfig(num_heads=2, draft_vocab_size=30, original_lm_head=True), ["vllm"]),
+    (distill, distill.DrafterConfig(num_layers=1), ["hf"]),
+]
 
 
 def _trained(module, cfg, target, seed):
@@ -32,12 +34,17 @@ def _trained(module, cfg, target, seed):
 
 @pytest.mark.parametrize("module,cfg,formats", CASES, ids=[c[0].NAME for c in CASES])
 @pytest.mark.fp32_exact
-def test_init_from_a_final_folder_and_every_export_format_loads_identical_weights(tiny_target, tmp_path, module, cfg,
-                                                                                 formats):
+def test_init_from_a_final_folder_and_every_export_format_loads_identical_weights(
+    tiny_target, tmp_path, module, cfg, formats
+):
     target, tok = tiny_target
     source = _trained(module, cfg, target, seed=0)
-    meta = {"drafter": module.NAME, "drafter_config": {"type": module.NAME, **cfg.__dict__}, "target": "tiny",
-            "target_fingerprint": fingerprint(target)}
+    meta = {
+        "drafter": module.NAME,
+        "drafter_config": {"type": module.NAME, **cfg.__dict__},
+        "target": "tiny",
+        "target_fingerprint": fingerprint(target),
+    }
     final = save_drafter(source, tmp_path / "final", meta)
     folders = [final] + [export(final, target, fmt, tmp_path / fmt, tok) for fmt in formats]
     for folder in folders:
@@ -54,8 +61,12 @@ def test_official_style_exports_without_draftsmiths_section_are_recognised(tiny_
     target, tok = tiny_target
     cfg = eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=40)
     source = _trained(eagle3, cfg, target, seed=1)
-    meta = {"drafter": "eagle3", "drafter_config": {"type": "eagle3", **cfg.__dict__}, "target": "tiny",
-            "target_fingerprint": fingerprint(target)}
+    meta = {
+        "drafter": "eagle3",
+        "drafter_config": {"type": "eagle3", **cfg.__dict__},
+        "target": "tiny",
+        "target_fingerprint": fingerprint(target),
+    }
     out = export(save_drafter(source, tmp_path / "final", meta), target, "sglang", tmp_path / "published")
     config = json.loads((out / "config.json").read_text())
     del config["draftsmith"]  # as a head published by someone else would be
@@ -70,8 +81,12 @@ def test_bad_inits_are_one_line_errors(tiny_target, other_target_dir, tmp_path):
 
     target, tok = tiny_target
     cfg = medusa.DrafterConfig(num_heads=2)
-    meta = {"drafter": "medusa", "drafter_config": {"type": "medusa", **cfg.__dict__}, "target": "tiny",
-            "target_fingerprint": fingerprint(target)}
+    meta = {
+        "drafter": "medusa",
+        "drafter_config": {"type": "medusa", **cfg.__dict__},
+        "target": "tiny",
+        "target_fingerprint": fingerprint(target),
+    }
     final = save_drafter(medusa.build(cfg, target), tmp_path / "final", meta)
     with pytest.raises(DraftsmithError, match="holds a medusa drafter, but this recipe trains eagle"):
         init_weights(eagle.build(eagle.DrafterConfig(), target), "eagle", final, target)
@@ -79,7 +94,9 @@ def test_bad_inits_are_one_line_errors(tiny_target, other_target_dir, tmp_path):
         init_weights(medusa.build(medusa.DrafterConfig(num_heads=3), target), "medusa", final, target)
     small = medusa.DrafterConfig(num_heads=2, draft_vocab_size=20)
     with pytest.raises(DraftsmithError, match=r"tensor 'lm_heads.0.weight' is \(\d+, 32\) there but \(20, 32\)"):
-        init_weights(medusa.build(small, target, {"input_ids": [[5, 6]], "loss_mask": [[1, 1]]}), "medusa", final, target)
+        init_weights(
+            medusa.build(small, target, {"input_ids": [[5, 6]], "loss_mask": [[1, 1]]}), "medusa", final, target
+        )
     other, _ = load_target(str(other_target_dir))
     with pytest.raises(DraftsmithError, match="trained for target 'tiny'.*init_from_stale=true"):
         init_weights(medusa.build(cfg, other), "medusa", final, other)
@@ -102,19 +119,43 @@ def test_a_fine_tuning_run_reports_both_holdouts_before_and_after(tiny_target_di
     from draftsmith.train.loop import train
     from tests.test_train import _overrides
 
-    first = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "a", **{
-        "drafter.type": "medusa", "drafter.num_heads": 2})))
+    first = train(
+        load_config(
+            None,
+            _overrides(
+                tiny_target_dir, chat_jsonl, tmp_path / "a", **{"drafter.type": "medusa", "drafter.num_heads": 2}
+            ),
+        )
+    )
     other = tmp_path / "other.jsonl"  # a second "domain": the same prompts, other answers
-    other.write_text("".join(json.dumps({"prompt": f"count {i}", "completion": "0123456789" * 3}) + "\n" for i in range(24)))
+    other.write_text(
+        "".join(json.dumps({"prompt": f"count {i}", "completion": "0123456789" * 3}) + "\n" for i in range(24))
+    )
     eval_keys = {"eval.enabled": True, "eval.num_prompts": 2, "eval.max_new_tokens": 10, "eval.k": 2}
-    run = train(load_config(None, _overrides(tiny_target_dir, other, tmp_path / "b", **{
-        "drafter.type": "medusa", "drafter.num_heads": 2, "init_from": str(first / "final"),
-        "eval.general_holdout": str(chat_jsonl), **eval_keys})))
+    run = train(
+        load_config(
+            None,
+            _overrides(
+                tiny_target_dir,
+                other,
+                tmp_path / "b",
+                **{
+                    "drafter.type": "medusa",
+                    "drafter.num_heads": 2,
+                    "init_from": str(first / "final"),
+                    "eval.general_holdout": str(chat_jsonl),
+                    **eval_keys,
+                },
+            ),
+        )
+    )
     table = json.loads((run / "eval" / "before_after.json").read_text())
     assert set(table) == {str(other), str(chat_jsonl)} and all(set(r) == {"before", "after"} for r in table.values())
     assert "| holdout | τ before | τ after" in (run / "eval" / "before_after.md").read_text()
     # "before" is the init itself: the same τ as evaluating the first run's drafter on that holdout.
     target, tok = load_target(str(tiny_target_dir))
     module, dcfg, init = load_drafter(first / "final", target)
-    again = evaluate_drafter(module, init, dcfg, target, tok, str(chat_jsonl), None, k=2, num_prompts=2, max_new_tokens=10)
+    again = evaluate_drafter(
+        module, init, dcfg, target, tok, str(chat_jsonl), None, k=2, num_prompts=2, max_new_tokens=10
+    )
     assert table[str(chat_jsonl)]["before"]["tau"] == again["tau"]

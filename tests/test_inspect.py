@@ -9,8 +9,12 @@ from draftsmith.cli import main
 from tests.conftest import make_tokenizer, save_target
 from tests.templates import GENERATION_MARKED, QWEN3_LIKE
 
-CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"},
-        {"role": "user", "content": "more"}, {"role": "assistant", "content": "ok"}]
+CHAT = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello!"},
+    {"role": "user", "content": "more"},
+    {"role": "assistant", "content": "ok"},
+]
 
 
 def _inspect(tmp_path, capsys, template, *args):
@@ -32,8 +36,9 @@ def test_inspect_prints_the_tokens_and_which_are_trained(tmp_path, capsys, monke
     assert "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello!<|im_end|>\n" in plain
     tok = make_tokenizer(GENERATION_MARKED)
     total = len(tok.apply_chat_template(CHAT, tokenize=True, return_dict=False))
-    assert plain.strip().splitlines()[-1] == (f"{data}:1: {total} tokens, 10 trained, {total - 10} masked; "
-                                              "loss mask from generation markers")
+    assert plain.strip().splitlines()[-1] == (
+        f"{data}:1: {total} tokens, 10 trained, {total - 10} masked; loss mask from generation markers"
+    )
     # Every token of the rendering is styled: the trained ones bold green, the others dim.
     body = [line for line in out.splitlines()[:-1] if "\x1b[" in line]
     segments = [seg for line in body for seg in re.findall(r"\x1b\[([0-9;]*)m(.*?)\x1b\[0m", line)]

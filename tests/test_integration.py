@@ -41,10 +41,22 @@ def test_shortened_quickstart(smollm, tmp_path):
 
     (tmp_path / "cache").mkdir()  # a fresh data cache, but the target already dequantized by the fixture
     (tmp_path / "cache" / "smollm2-135m").symlink_to(cache_root() / "smollm2-135m")
-    cfg = load_config(RECIPE, [
-        f"output_dir={tmp_path}", f"cache_dir={tmp_path / 'cache'}", "optim.max_steps=12", "data.max_examples=48",
-        "data.regenerate_max_new_tokens=32", "data.regenerate_batch_size=24", "optim.warmup_steps=2", "log_every=3",
-        "save_every=0", "eval.num_prompts=3", "eval.max_new_tokens=24"])
+    cfg = load_config(
+        RECIPE,
+        [
+            f"output_dir={tmp_path}",
+            f"cache_dir={tmp_path / 'cache'}",
+            "optim.max_steps=12",
+            "data.max_examples=48",
+            "data.regenerate_max_new_tokens=32",
+            "data.regenerate_batch_size=24",
+            "optim.warmup_steps=2",
+            "log_every=3",
+            "save_every=0",
+            "eval.num_prompts=3",
+            "eval.max_new_tokens=24",
+        ],
+    )
     run = train(cfg)
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["target"] == "smollm2-135m" and report["tree"]

@@ -15,24 +15,44 @@ PRESETS = ["single-gpu", "multi-gpu", "multi-node", "zero2", "zero3", "zero3-off
 
 def _launch(*args, env=None):
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "MASTER_ADDR"}
-    return subprocess.run(["bash", "launch.sh", RECIPE, *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**clean, **(env or {})})
+    return subprocess.run(
+        ["bash", "launch.sh", RECIPE, *args], cwd=ROOT, capture_output=True, text=True, env={**clean, **(env or {})}
+    )
 
 
 def test_dry_run_prints_the_exact_accelerate_command_for_a_preset():
-    out = _launch("--preset", "zero2", "--gpus", "8", "--nodes", "2", "--node-rank", "1", "--main-addr", "10.0.0.1",
-                  "--dry-run", "optim.lr=1e-4")
+    out = _launch(
+        "--preset",
+        "zero2",
+        "--gpus",
+        "8",
+        "--nodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--main-addr",
+        "10.0.0.1",
+        "--dry-run",
+        "optim.lr=1e-4",
+    )
     assert out.returncode == 0, out.stderr
     cmd = out.stdout.split()
-    assert cmd[:2] == ["accelerate", "launch"] and cmd[cmd.index("--config_file") + 1].endswith("recipes/accelerate/zero2.yaml")
+    assert cmd[:2] == ["accelerate", "launch"] and cmd[cmd.index("--config_file") + 1].endswith(
+        "recipes/accelerate/zero2.yaml"
+    )
     assert cmd[cmd.index("--num_processes") + 1] == "16" and cmd[cmd.index("--machine_rank") + 1] == "1"
     assert cmd[cmd.index("--main_process_ip") + 1] == "10.0.0.1"
     assert cmd[-3:] == ["train", RECIPE, "optim.lr=1e-4"]
 
 
 def test_slurm_variables_fill_nodes_rank_host_and_gpus():
-    env = {"SLURM_JOB_ID": "42", "SLURM_NNODES": "4", "SLURM_NODEID": "3", "MASTER_ADDR": "gpu-node-01",
-           "SLURM_GPUS_ON_NODE": "8"}
+    env = {
+        "SLURM_JOB_ID": "42",
+        "SLURM_NNODES": "4",
+        "SLURM_NODEID": "3",
+        "MASTER_ADDR": "gpu-node-01",
+        "SLURM_GPUS_ON_NODE": "8",
+    }
     cmd = _launch("--preset", "multi-node", "--dry-run", env=env).stdout.split()
     assert cmd[cmd.index("--num_machines") + 1] == "4" and cmd[cmd.index("--machine_rank") + 1] == "3"
     assert cmd[cmd.index("--main_process_ip") + 1] == "gpu-node-01" and cmd[cmd.index("--num_processes") + 1] == "32"

@@ -203,25 +203,35 @@ def test_suffix_match_is_what_ngram_lookup_proposes():
         seq = torch.randint(0, 4, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
         n, follow = suffix_match(seq, 3, 4)
         assert follow == NgramProposer(3).propose(torch.tensor([seq]), None, 4).tokens
-        assert (n == 0) == (not follow) and n <= 3 and (n == 0 or seq[-n:] in [seq[i:i + n] for i in range(len(seq) - n)])
+        assert (
+            (n == 0) == (not follow)
+            and n <= 3
+            and (n == 0 or seq[-n:] in [seq[i : i + n] for i in range(len(seq) - n)])
+        )
 
 
-@pytest.mark.parametrize("seq, k, min_match, source", [
-    ([5, 6, 7, 8, 9, 5, 6, 7], 4, 3, "lookup"),   # suffix [5 6 7] recurs (n=3), 4 tokens follow
-    ([5, 6, 7, 8, 9, 5, 6, 7], 4, 2, "lookup"),
-    ([1, 2, 9, 3, 2, 9], 4, 3, "model"),          # only [2 9] recurs: n=2 < min_match=3
-    ([1, 2, 9, 3, 2, 9], 4, 2, "lookup"),         # n=2, follow [3 2 9]: 3 >= 4/2
-    ([1, 2, 3, 1, 2], 6, 2, "lookup"),            # follow [3 1 2]: 3 >= 6/2
-    ([1, 2, 3, 1, 2], 7, 2, "model"),             # 3 < 7/2: too short
-    ([1, 2, 3, 4, 5], 4, 1, "model"),             # nothing recurs
-])
+@pytest.mark.parametrize(
+    "seq, k, min_match, source",
+    [
+        ([5, 6, 7, 8, 9, 5, 6, 7], 4, 3, "lookup"),  # suffix [5 6 7] recurs (n=3), 4 tokens follow
+        ([5, 6, 7, 8, 9, 5, 6, 7], 4, 2, "lookup"),
+        ([1, 2, 9, 3, 2, 9], 4, 3, "model"),  # only [2 9] recurs: n=2 < min_match=3
+        ([1, 2, 9, 3, 2, 9], 4, 2, "lookup"),  # n=2, follow [3 2 9]: 3 >= 4/2
+        ([1, 2, 3, 1, 2], 6, 2, "lookup"),  # follow [3 1 2]: 3 >= 6/2
+        ([1, 2, 3, 1, 2], 7, 2, "model"),  # 3 < 7/2: too short
+        ([1, 2, 3, 4, 5], 4, 1, "model"),  # nothing recurs
+    ],
+)
 def test_hybrid_picks_lookup_or_model_by_its_rule(seq, k, min_match, source):
     model = Recorder()
     hybrid = HybridProposer(NgramProposer(3), model, min_match=min_match)
     draft = hybrid.propose(torch.tensor([seq]), {}, k)
     assert hybrid.last == source and hybrid.draft_sources[source] == 1
     if source == "lookup":
-        assert draft.tokens == NgramProposer(3).propose(torch.tensor([seq]), None, k).tokens and "propose" not in model.calls
+        assert (
+            draft.tokens == NgramProposer(3).propose(torch.tensor([seq]), None, k).tokens
+            and "propose" not in model.calls
+        )
     else:
         assert draft.tokens == [99] * k and model.calls == ["propose"]
 
@@ -283,8 +293,12 @@ def test_greedy_hybrid_equals_target_greedy_and_uses_both_sources(tiny_target, k
     """On the tiny target (which soon repeats one token) and on the bigram target (a 7-token cycle,
     which lookup predicts once the cycle has been seen)."""
     tiny, tok = tiny_target
-    make = {"student": lambda t: distill.StudentProposer(make_target(seed=5, vocab=t.config.vocab_size)),
-            "eagle": _eagle, "eagle-tree": _eagle, "lookahead": lambda t: LookaheadProposer()}[kind]
+    make = {
+        "student": lambda t: distill.StudentProposer(make_target(seed=5, vocab=t.config.vocab_size)),
+        "eagle": _eagle,
+        "eagle-tree": _eagle,
+        "lookahead": lambda t: LookaheadProposer(),
+    }[kind]
     tree = parse_tree("dynamic:depth=4,top_k=3,tokens=10") if kind == "eagle-tree" else None
     rounds = Counter()
     for target, cases in ((tiny, prompts(tok)), (bigram_target(), [[1, 20, 30, 12], [1] + CYCLE + CYCLE[:3]])):
@@ -320,8 +334,11 @@ def test_sampled_lookahead_matches_target_distribution(peaked_target):
     """The chi-square test's power against a wrong rule is shown in tests/test_sampling.py; here its
     drafts must really be judged: some are accepted."""
     target, stats = peaked_target, Stats(k=3)
-    spec = _collect(lambda s: speculative_decode(target, LookaheadProposer(window=3, ngram=2), PROMPT, 3, 3, set(),
-                                                 Sampler(1.0, 1.0, seed=s), stats))
+    spec = _collect(
+        lambda s: speculative_decode(
+            target, LookaheadProposer(window=3, ngram=2), PROMPT, 3, 3, set(), Sampler(1.0, 1.0, seed=s), stats
+        )
+    )
     assert chi_square_p(_reference(target, 1.0, 1.0), spec) > 1e-3
     assert 0 < stats.accepted < stats.proposed
 
@@ -330,8 +347,9 @@ def test_sampled_lookahead_matches_target_distribution(peaked_target):
 def test_sampled_hybrid_matches_target_distribution(peaked_target):
     target = peaked_target
     torch.manual_seed(0)
-    hybrid = HybridProposer(NgramProposer(), eagle.make_proposer(eagle.build(eagle.DrafterConfig(), target), target,
-                                                                 eagle.DrafterConfig()))
+    hybrid = HybridProposer(
+        NgramProposer(), eagle.make_proposer(eagle.build(eagle.DrafterConfig(), target), target, eagle.DrafterConfig())
+    )
     spec = _collect(lambda s: speculative_decode(target, hybrid, PROMPT, 3, 3, set(), Sampler(1.0, 1.0, seed=s)))
     assert chi_square_p(_reference(target, 1.0, 1.0), spec) > 1e-3
     assert hybrid.draft_sources["lookup"] > 0 and hybrid.draft_sources["model"] > 0
@@ -340,18 +358,21 @@ def test_sampled_hybrid_matches_target_distribution(peaked_target):
 # --- bad arguments -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: LookaheadProposer(window=0), "window W must be an integer >= 1"),
-    (lambda: LookaheadProposer(ngram=1), "ngram N must be an integer >= 2"),
-    (lambda: LookaheadProposer(guesses=-1), "guesses G must be an integer >= 0"),
-    (lambda: LookaheadProposer(window=2.5), "window W must be an integer"),
-    (lambda: LookaheadProposer.from_spec("lookahead:W=x"), "lookahead\\[:W=5,N=3,G=3\\]"),
-    (lambda: LookaheadProposer.from_spec("lookahead:K=3"), "lookahead\\[:W=5,N=3,G=3\\]"),
-    (lambda: LookaheadProposer.from_spec("lookahed"), "lookahead\\[:W=5,N=3,G=3\\]"),
-    (lambda: LookaheadProposer.from_spec("lookahead:N=1"), "ngram N must be"),
-    (lambda: HybridProposer(NgramProposer(3), Recorder(), min_match=0), "min_match must be an integer in 1..3"),
-    (lambda: HybridProposer(NgramProposer(3), Recorder(), min_match=4), "min_match must be an integer in 1..3"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: LookaheadProposer(window=0), "window W must be an integer >= 1"),
+        (lambda: LookaheadProposer(ngram=1), "ngram N must be an integer >= 2"),
+        (lambda: LookaheadProposer(guesses=-1), "guesses G must be an integer >= 0"),
+        (lambda: LookaheadProposer(window=2.5), "window W must be an integer"),
+        (lambda: LookaheadProposer.from_spec("lookahead:W=x"), "lookahead\\[:W=5,N=3,G=3\\]"),
+        (lambda: LookaheadProposer.from_spec("lookahead:K=3"), "lookahead\\[:W=5,N=3,G=3\\]"),
+        (lambda: LookaheadProposer.from_spec("lookahed"), "lookahead\\[:W=5,N=3,G=3\\]"),
+        (lambda: LookaheadProposer.from_spec("lookahead:N=1"), "ngram N must be"),
+        (lambda: HybridProposer(NgramProposer(3), Recorder(), min_match=0), "min_match must be an integer in 1..3"),
+        (lambda: HybridProposer(NgramProposer(3), Recorder(), min_match=4), "min_match must be an integer in 1..3"),
+    ],
+)
 def test_bad_arguments_are_one_line_errors(make, match):
     with pytest.raises(DraftsmithError, match=match) as err:
         make()

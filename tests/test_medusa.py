@@ -115,8 +115,9 @@ def test_a_perfect_static_tree_gets_tau_depth_plus_one_and_is_lossless(tiny_targ
     spec = parse_tree("static:[[0],[1],[1,0],[1,1],[1,1,0],[1,1,1]]")
     stats = Stats(k=3)
     # 1 token from the prefill, then 7 rounds of 3 accepted drafts + 1 bonus token.
-    out = speculative_decode(target, Oracle(heads, ref, len(prompt), target.config.vocab_size), prompt, 3, 29,
-                             set(), None, stats, spec)
+    out = speculative_decode(
+        target, Oracle(heads, ref, len(prompt), target.config.vocab_size), prompt, 3, 29, set(), None, stats, spec
+    )
     assert out == ref[:29]
     assert stats.per_position == [1.0, 1.0, 1.0] and stats.tau == 4.0  # 3 heads + the bonus token
 
@@ -138,8 +139,12 @@ def test_vllm_export_contract_and_round_trip(tiny_target, tmp_path):
     heads = medusa.build(cfg, target)
     for p in heads.parameters():  # not the identity: a round trip must carry real weights
         torch.nn.init.normal_(p, std=0.02)
-    meta = {"drafter": "medusa", "drafter_config": {"type": "medusa", **cfg.__dict__}, "target": "tiny",
-            "target_fingerprint": fingerprint(target)}
+    meta = {
+        "drafter": "medusa",
+        "drafter_config": {"type": "medusa", **cfg.__dict__},
+        "target": "tiny",
+        "target_fingerprint": fingerprint(target),
+    }
     path = save_drafter(heads, tmp_path / "final", meta)
     out = export(path, target, "vllm", tmp_path / "vllm")
     c, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
@@ -147,8 +152,10 @@ def test_vllm_export_contract_and_round_trip(tiny_target, tmp_path):
     assert c["architectures"] == ["MedusaModel"] and c["model_type"] == "medusa"
     assert (c["hidden_size"], c["vocab_size"], c["num_heads"], c["num_hidden_layers"]) == (H, V, 3, 2)
     assert c["medusa_fc_bias"] is True
-    assert sorted(state) == sorted([f"blocks.{h}.layers.{l}.{w}" for h in range(3) for l in range(2) for w in ("weight", "bias")]
-                                   + [f"lm_heads.{h}.weight" for h in range(3)])
+    assert sorted(state) == sorted(
+        [f"blocks.{h}.layers.{l}.{w}" for h in range(3) for l in range(2) for w in ("weight", "bias")]
+        + [f"lm_heads.{h}.weight" for h in range(3)]
+    )
     assert state["blocks.0.layers.0.weight"].shape == (H, H) and state["lm_heads.2.weight"].shape == (V, H)
     _, _, back = import_export(out, target)
     h = torch.randn(4, H)
@@ -161,9 +168,24 @@ def test_medusa_trains_in_the_shared_loop_and_evaluates_on_a_static_tree(tiny_ta
     from draftsmith.train.loop import train
     from tests.test_train import _overrides
 
-    cfg = load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{
-        "drafter.type": "medusa", "drafter.num_heads": 2, "drafter.soft_labels": False, "optim.max_steps": 8,
-        "eval.enabled": True, "eval.num_prompts": 2, "eval.max_new_tokens": 10, "eval.tree": "static:[[0],[1],[0,0]]"}))
+    cfg = load_config(
+        None,
+        _overrides(
+            tiny_target_dir,
+            chat_jsonl,
+            tmp_path,
+            **{
+                "drafter.type": "medusa",
+                "drafter.num_heads": 2,
+                "drafter.soft_labels": False,
+                "optim.max_steps": 8,
+                "eval.enabled": True,
+                "eval.num_prompts": 2,
+                "eval.max_new_tokens": 10,
+                "eval.tree": "static:[[0],[1],[0,0]]",
+            },
+        ),
+    )
     run = train(cfg)
     log = [json.loads(l) for l in (run / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < log[0]["loss"]
@@ -190,10 +212,16 @@ def test_reduced_head_vocabulary_maps_back_to_target_ids_and_exports_a_token_map
     assert set(draft.tokens) <= kept
     missing = next(i for i in range(target.config.vocab_size) if i not in kept)
     assert heads.to_draft(torch.tensor([int(heads.token_map[5]), missing])).tolist() == [5, -1]
+
     def saved(cfg, heads, name):
-        meta = {"drafter": "medusa", "drafter_config": {"type": "medusa", **cfg.__dict__}, "target": "tiny",
-                "target_fingerprint": fingerprint(target)}
+        meta = {
+            "drafter": "medusa",
+            "drafter_config": {"type": "medusa", **cfg.__dict__},
+            "target": "tiny",
+            "target_fingerprint": fingerprint(target),
+        }
         return save_drafter(heads, tmp_path / name, meta)
+
     # vLLM 0.32 loads no per-head reduced lm_heads (tests/test_serve_check.py): refused, nothing written.
     with pytest.raises(DraftsmithError, match="original_lm_head=true"):
         export(saved(cfg, heads, "own"), target, "vllm", tmp_path / "vllm")
@@ -216,7 +244,9 @@ def test_bad_medusa_configs_fail_when_the_recipe_loads():
 
     with pytest.raises(DraftsmithError, match="expected num_heads >= 1"):
         load_config(None, ["drafter.type=medusa", "drafter.num_heads=0"])
-    with pytest.raises(DraftsmithError, match="eval.tree drafts 3 deep, but a medusa drafter with this config drafts at most 2"):
+    with pytest.raises(
+        DraftsmithError, match="eval.tree drafts 3 deep, but a medusa drafter with this config drafts at most 2"
+    ):
         load_config(None, ["drafter.type=medusa", "drafter.num_heads=2", "eval.tree=static:[[0],[0,0],[0,0,0]]"])
     with pytest.raises(DraftsmithError, match="eval.k drafts 5 deep"):
         load_config(None, ["drafter.type=medusa", "drafter.num_heads=4", "eval.k=5"])
@@ -225,8 +255,13 @@ def test_bad_medusa_configs_fail_when_the_recipe_loads():
 
 # --- Medusa-2: heads and backbone trained together -------------------------------------------------
 
-MEDUSA2 = {"drafter.type": "medusa", "drafter.num_heads": 2, "drafter.backbone": "lora", "drafter.backbone_lr": 1e-2,
-           "drafter.lora_rank": 4}
+MEDUSA2 = {
+    "drafter.type": "medusa",
+    "drafter.num_heads": 2,
+    "drafter.backbone": "lora",
+    "drafter.backbone_lr": 1e-2,
+    "drafter.lora_rank": 4,
+}
 
 
 def _batch(seed=0):
@@ -288,10 +323,16 @@ def test_two_stage_keeps_the_backbone_fixed_during_the_heads_only_stage(tiny_tar
     assert [g["lr"] for g in opt.param_groups] == [1e-2, 1e-2]  # heads from the start, backbone from step 2
 
 
-@pytest.mark.parametrize("schedule,mid", [("constant", 1.0), ("linear", 0.5), ("sine", 2 ** -0.5)])
+@pytest.mark.parametrize("schedule,mid", [("constant", 1.0), ("linear", 0.5), ("sine", 2**-0.5)])
 def test_lambda0_ramps_up_from_the_start_of_joint_training(schedule, mid):
-    cfg = medusa.DrafterConfig(backbone="lora", backbone_lr=1e-4, lambda0=0.2, lambda0_schedule=schedule,
-                               lambda0_warmup_steps=10, heads_only_steps=4)
+    cfg = medusa.DrafterConfig(
+        backbone="lora",
+        backbone_lr=1e-4,
+        lambda0=0.2,
+        lambda0_schedule=schedule,
+        lambda0_warmup_steps=10,
+        heads_only_steps=4,
+    )
     assert medusa.lambda0(cfg, 4) == pytest.approx(0.2 if schedule == "constant" else 0.0)
     assert medusa.lambda0(cfg, 9) == pytest.approx(0.2 * mid)
     assert medusa.lambda0(cfg, 14) == medusa.lambda0(cfg, 100) == pytest.approx(0.2)
@@ -305,9 +346,25 @@ def test_medusa2_trains_is_verified_by_its_backbone_and_exports_it(tiny_target_d
     from draftsmith.train.loop import train
     from tests.test_train import _overrides, _weights
 
-    run = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **MEDUSA2, **{
-        "drafter.heads_only_steps": 2, "optim.max_steps": 6, "eval.enabled": True, "eval.num_prompts": 3,
-        "eval.max_new_tokens": 12, "eval.k": 2})))
+    run = train(
+        load_config(
+            None,
+            _overrides(
+                tiny_target_dir,
+                chat_jsonl,
+                tmp_path,
+                **MEDUSA2,
+                **{
+                    "drafter.heads_only_steps": 2,
+                    "optim.max_steps": 6,
+                    "eval.enabled": True,
+                    "eval.num_prompts": 3,
+                    "eval.max_new_tokens": 12,
+                    "eval.k": 2,
+                },
+            ),
+        )
+    )
     log = [json.loads(l) for l in (run / "train_log.jsonl").read_text().splitlines()]
     assert "kl_loss" not in log[1] and log[2]["kl_loss"] == 0.0 and log[-1]["kl_loss"] > 0  # joint from step 3
     assert all("lora_" in k or k.startswith("heads.") for k in _weights(run))  # no copy of the target in final/
@@ -327,8 +384,17 @@ def test_medusa2_trains_is_verified_by_its_backbone_and_exports_it(tiny_target_d
     assert not torch.equal(new_target.state_dict()[q], original.state_dict()[q])  # the adapters are merged in
     # Round trip: the exported heads drafting for the exported backbone give the eval stage's τ.
     _, _, heads = import_export(out, new_target)
-    again = evaluate(medusa.MedusaProposer(heads), "medusa", new_target, new_tok, str(chat_jsonl), None, k=2,
-                     num_prompts=3, max_new_tokens=12)
+    again = evaluate(
+        medusa.MedusaProposer(heads),
+        "medusa",
+        new_target,
+        new_tok,
+        str(chat_jsonl),
+        None,
+        k=2,
+        num_prompts=3,
+        max_new_tokens=12,
+    )
     assert again["tau"] == report["tau"] and lossless_ok(again)
 
 
@@ -342,8 +408,12 @@ def test_original_lm_head_heads_share_the_targets_and_export_one_lm_head(tiny_ta
     assert len(heads.lm_heads) == 0 and not any(p is target.lm_head.weight for p in heads.parameters())
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    meta = {"drafter": "medusa", "drafter_config": {"type": "medusa", **cfg.__dict__}, "target": "tiny",
-            "target_fingerprint": fingerprint(target)}
+    meta = {
+        "drafter": "medusa",
+        "drafter_config": {"type": "medusa", **cfg.__dict__},
+        "target": "tiny",
+        "target_fingerprint": fingerprint(target),
+    }
     out = export(save_drafter(heads, tmp_path / "final", meta), target, "vllm", tmp_path / "vllm")
     c, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
     assert c["original_lm_head"] is True and c["medusa_fc_bias"] is False
@@ -364,10 +434,17 @@ def test_bad_medusa2_configs_are_one_line_errors(tiny_target_dir, chat_jsonl, tm
         load_config(None, ["drafter.type=medusa", "drafter.backbone=lora"])
     with pytest.raises(DraftsmithError, match="expected frozen, lora or full"):
         load_config(None, ["drafter.type=medusa", "drafter.backbone=yes-please"])
-    cfg = load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **MEDUSA2,
-                                       **{"drafter.lora_target_modules": "q_proj,qkv_proj"}))
-    with pytest.raises(DraftsmithError, match="qkv_proj not in the model; its linear layers are down_proj, gate_proj, "
-                                              "k_proj, o_proj, q_proj, up_proj, v_proj"):
+    cfg = load_config(
+        None,
+        _overrides(
+            tiny_target_dir, chat_jsonl, tmp_path, **MEDUSA2, **{"drafter.lora_target_modules": "q_proj,qkv_proj"}
+        ),
+    )
+    with pytest.raises(
+        DraftsmithError,
+        match="qkv_proj not in the model; its linear layers are down_proj, gate_proj, "
+        "k_proj, o_proj, q_proj, up_proj, v_proj",
+    ):
         train(cfg)
     assert not (tmp_path / "r" / "final").exists()
 
@@ -387,7 +464,9 @@ def test_medusa2_full_trains_a_copy_of_the_decoder_and_keeps_the_target_as_the_o
     trained = dict(model.backbone.named_parameters())
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(trained[q], before[q])
-    assert torch.equal(trained["model.embed_tokens.weight"], before["model.embed_tokens.weight"])  # frozen (tied lm_head)
+    assert torch.equal(
+        trained["model.embed_tokens.weight"], before["model.embed_tokens.weight"]
+    )  # frozen (tied lm_head)
     saved = model.state_dict()
     assert f"backbone.{q}" in saved and "backbone.model.embed_tokens.weight" not in saved
     with model.original() as original:

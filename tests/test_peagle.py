@@ -62,8 +62,9 @@ def test_the_packed_pass_gives_each_slot_the_logits_the_proposer_drafts_with(tin
         hidden = torch.cat([real_hidden, d.fuse(d.mask_hidden).expand(1, m, -1)], 1)
         emb = embed(torch.cat([ids[:, 1 : anchor + 2], torch.full((1, m), cfg.mask_token_id)], 1))
         from draftsmith.models.common import causal_mask
+
         o = d.step(hidden, emb, torch.arange(anchor + 1 + m)[None], causal_mask(anchor + 1 + m, anchor + 1 + m))
-        logits = d.target_vocab_logits(o[0, -(m + 1):])
+        logits = d.target_vocab_logits(o[0, -(m + 1) :])
     assert torch.allclose(logits, train, atol=1e-5)
 
 
@@ -103,8 +104,12 @@ def _exported(target, tmp_path):
     torch.manual_seed(0)
     cfg = _cfg(norm_before_fc=True, mask_token_id=3)
     d = peagle.build(cfg, target, VOCAB_DATA)
-    meta = {"drafter": "peagle", "drafter_config": {"type": "peagle", **cfg.__dict__}, "target": "tiny",
-            "target_fingerprint": fingerprint(target)}
+    meta = {
+        "drafter": "peagle",
+        "drafter_config": {"type": "peagle", **cfg.__dict__},
+        "target": "tiny",
+        "target_fingerprint": fingerprint(target),
+    }
     return cfg, d, export(save_drafter(d, tmp_path / "final", meta), target, "speculators", tmp_path / "spec")
 
 
@@ -124,8 +129,10 @@ def test_speculators_peagle_export_has_what_vllm_reads_and_round_trips(tiny_targ
     assert export_family(out) == "peagle"
     module, cfg2, back = import_export(out, target)
     prompt = list(range(10, 22))
-    runs = [speculative_greedy(target, peagle.make_proposer(x.eval(), target, c), prompt, 4, 20, set(), s)
-            for x, c, s in ((d, cfg, Stats(k=4)), (back, cfg2, Stats(k=4)))]
+    runs = [
+        speculative_greedy(target, peagle.make_proposer(x.eval(), target, c), prompt, 4, 20, set(), s)
+        for x, c, s in ((d, cfg, Stats(k=4)), (back, cfg2, Stats(k=4)))
+    ]
     assert module is peagle and runs[0] == runs[1]
 
 

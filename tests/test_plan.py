@@ -10,10 +10,22 @@ from draftsmith.train.config import drafter_config, load_config
 from draftsmith.train.plan import per_rank, plan, sizes, target_config
 
 
-@pytest.mark.parametrize("family", [["drafter.type=eagle3", "drafter.aux_layers=[0,1,1]", "drafter.draft_vocab_size=40"],
-                                    ["drafter.type=medusa", "drafter.num_heads=2", "drafter.backbone=lora",
-                                     "drafter.backbone_lr=1e-3", "drafter.lora_rank=4", "eval.k=2"],
-                                    ["drafter.type=distill", "drafter.num_layers=1"]], ids=["eagle3", "medusa2", "distill"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        ["drafter.type=eagle3", "drafter.aux_layers=[0,1,1]", "drafter.draft_vocab_size=40"],
+        [
+            "drafter.type=medusa",
+            "drafter.num_heads=2",
+            "drafter.backbone=lora",
+            "drafter.backbone_lr=1e-3",
+            "drafter.lora_rank=4",
+            "eval.k=2",
+        ],
+        ["drafter.type=distill", "drafter.num_layers=1"],
+    ],
+    ids=["eagle3", "medusa2", "distill"],
+)
 @pytest.mark.fp32_exact
 def test_weights_gradients_and_optimizer_bytes_equal_real_tensors_after_a_step(tiny_target_dir, tiny_target, family):
     from draftsmith.models.registry import drafter_module
@@ -72,12 +84,22 @@ def test_planned_memory_is_within_20_percent_of_the_allocations_measured_in_a_tr
         assert 0.8 <= measured[part] / planned[part] <= 1.2, (part, measured[part], planned[part])
 
 
-def test_a_distill_student_is_planned_from_its_config_as_its_build_makes_it(tiny_target_dir, other_target_dir, tiny_target):
+def test_a_distill_student_is_planned_from_its_config_as_its_build_makes_it(
+    tiny_target_dir, other_target_dir, tiny_target
+):
     # Its build loads the student's weights and tokenizer; the plan builds the same model from its config.
     from draftsmith.models.registry import drafter_module
 
-    cfg = load_config(None, [f"target={tiny_target_dir}", "target_dtype=float32", "drafter.type=distill",
-                             f"drafter.init={other_target_dir}", "drafter.lora_rank=4"])
+    cfg = load_config(
+        None,
+        [
+            f"target={tiny_target_dir}",
+            "target_dtype=float32",
+            "drafter.type=distill",
+            f"drafter.init={other_target_dir}",
+            "drafter.lora_rank=4",
+        ],
+    )
     s = sizes(cfg, target_config(cfg.target))
     target, _ = tiny_target
     student = drafter_module("distill").build(drafter_config(cfg), target)
@@ -93,7 +115,10 @@ def test_an_unreadable_config_names_the_models_known_offline(monkeypatch, tmp_pa
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
     cfg = load_config(None, ["target=meta-llama/Qwen3-8B", "drafter.type=medusa", "drafter.num_heads=2", "eval.k=2"])
-    with pytest.raises(DraftsmithError, match=r"target 'meta-llama/Qwen3-8B' \(We couldn't connect.*\); known offline: "
-                                              r"meta-llama/Llama-3.1-8B-Instruct, .*Qwen/Qwen3-8B") as e:
+    with pytest.raises(
+        DraftsmithError,
+        match=r"target 'meta-llama/Qwen3-8B' \(We couldn't connect.*\); known offline: "
+        r"meta-llama/Llama-3.1-8B-Instruct, .*Qwen/Qwen3-8B",
+    ) as e:
         plan(cfg, gpus=8)
     assert "\n" not in str(e.value)

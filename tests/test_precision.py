@@ -15,6 +15,7 @@ from draftsmith.util import precision
 @pytest.fixture
 def hw(monkeypatch):
     """hw(cuda=..., cuda_bf16=..., avx512_bf16=..., amx=...) fixes what the resolver sees."""
+
     def set_hw(cuda=False, cuda_bf16=False, avx512_bf16=False, amx=False):
         monkeypatch.delenv("DRAFTSMITH_CPU_BF16", raising=False)  # the mocked capability decides
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
@@ -22,16 +23,20 @@ def hw(monkeypatch):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
         precision._warn_slow_bf16.cache_clear()
+
     return set_hw
 
 
-@pytest.mark.parametrize("cpu, expected", [
-    ({}, "float32"),                        # AVX2-only CPU: bf16 would take torch's slow path
-    ({"avx512_bf16": True}, "bfloat16"),
-    ({"amx": True}, "bfloat16"),
-    ({"cuda": True, "cuda_bf16": True}, "bfloat16"),
-    ({"cuda": True, "cuda_bf16": False}, "float32"),  # e.g. a V100
-])
+@pytest.mark.parametrize(
+    "cpu, expected",
+    [
+        ({}, "float32"),  # AVX2-only CPU: bf16 would take torch's slow path
+        ({"avx512_bf16": True}, "bfloat16"),
+        ({"amx": True}, "bfloat16"),
+        ({"cuda": True, "cuda_bf16": True}, "bfloat16"),
+        ({"cuda": True, "cuda_bf16": False}, "float32"),  # e.g. a V100
+    ],
+)
 def test_auto_follows_the_hardware(hw, cpu, expected):
     hw(**cpu)
     assert precision.resolve("auto", "x") == expected
@@ -59,8 +64,14 @@ def test_fp16_needs_cuda_and_unknown_names_are_listed(hw):
     assert precision.resolve("fp16", "eval.dtype") == "float16"
 
 
-SPELLINGS = {"auto": None, "no": "float32", "fp32": "float32", "float32": "float32", "bf16": "bfloat16",
-             "bfloat16": "bfloat16"}
+SPELLINGS = {
+    "auto": None,
+    "no": "float32",
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+}
 
 
 @pytest.mark.parametrize("value", list(SPELLINGS))
@@ -82,7 +93,9 @@ def test_every_spelling_works_in_a_recipe_and_as_an_override(hw, tmp_path, key, 
 
 def test_bad_precision_in_a_recipe_is_a_one_line_error(hw, tmp_path):
     hw()
-    with pytest.raises(DraftsmithError, match=r"r.yaml: optim.mixed_precision: unknown precision 'true' \(YAML reads yes/on as true\)"):
+    with pytest.raises(
+        DraftsmithError, match=r"r.yaml: optim.mixed_precision: unknown precision 'true' \(YAML reads yes/on as true\)"
+    ):
         recipe = tmp_path / "r.yaml"
         recipe.write_text("optim:\n  mixed_precision: yes\n")
         load_config(recipe)
@@ -107,11 +120,16 @@ def test_hardware_record_names_the_cpu(hw):
     assert info["device_name"] and "no native bf16" in precision.describe(info)
 
 
-@pytest.mark.parametrize("family, cfg", [
-    ("distill", {"num_layers": 1}),  # a full-weight student
-    ("medusa", {"num_heads": 2, "backbone": "full", "backbone_lr": 2e-5}),  # Medusa-2 training a copy of the target
-])
-def test_a_bf16_autocast_step_at_lr_2e5_changes_full_weights_as_an_fp32_step_does(tiny_target_dir, chat_jsonl, family, cfg):
+@pytest.mark.parametrize(
+    "family, cfg",
+    [
+        ("distill", {"num_layers": 1}),  # a full-weight student
+        ("medusa", {"num_heads": 2, "backbone": "full", "backbone_lr": 2e-5}),  # Medusa-2 training a copy of the target
+    ],
+)
+def test_a_bf16_autocast_step_at_lr_2e5_changes_full_weights_as_an_fp32_step_does(
+    tiny_target_dir, chat_jsonl, family, cfg
+):
     """GPU recipes train on a bf16 target under bf16 autocast. Trainable full weights are fp32 masters,
     so AdamW's first step (about lr x sign(grad) per weight) lands as in fp32; on bf16 weights most
     of it would round away (checked below on the same update)."""
@@ -150,6 +168,8 @@ def test_a_bf16_autocast_step_at_lr_2e5_changes_full_weights_as_an_fp32_step_doe
     w = torch.cat([v.flatten() for v in weights.values()])
     kept = (w.bfloat16() + d16.bfloat16()).float() != w.bfloat16().float()
     assert kept.float().mean() < 0.5
-    print(f"{family}: weights changed fp32 {moved.float().mean():.4f}, bf16 autocast {(d16 != 0).float().mean():.4f}; "
-          f"mean |Δ| {d32.abs().mean():.3e} vs {d16.abs().mean():.3e}; same sign {((d16[moved] * d32[moved]) > 0).float().mean():.4f}; "
-          f"kept by bf16 weights {kept.float().mean():.4f}")
+    print(
+        f"{family}: weights changed fp32 {moved.float().mean():.4f}, bf16 autocast {(d16 != 0).float().mean():.4f}; "
+        f"mean |Δ| {d32.abs().mean():.3e} vs {d16.abs().mean():.3e}; same sign {((d16[moved] * d32[moved]) > 0).float().mean():.4f}; "
+        f"kept by bf16 weights {kept.float().mean():.4f}"
+    )

@@ -72,14 +72,48 @@ def run_cell(family: str, cell: str, target_dir, data, out) -> dict:
 
     target_dtype, mixed, eval_dtype = PRECISIONS[cell]
     extra = {**FAMILIES[family], **(BF16_WEIGHTS[family] if cell == "bf16-weights" else {})}
-    run = train(load_config(None, _overrides(target_dir, data, out, run=f"{family}-{cell}", **{
-        "drafter.type": family, "optim.max_steps": 3, "target_dtype": target_dtype, "optim.mixed_precision": mixed,
-        "eval.enabled": True, "eval.dtype": eval_dtype, "eval.num_prompts": 2, "eval.max_new_tokens": 10,
-        "eval.k": 2, **extra})))
+    run = train(
+        load_config(
+            None,
+            _overrides(
+                target_dir,
+                data,
+                out,
+                run=f"{family}-{cell}",
+                **{
+                    "drafter.type": family,
+                    "optim.max_steps": 3,
+                    "target_dtype": target_dtype,
+                    "optim.mixed_precision": mixed,
+                    "eval.enabled": True,
+                    "eval.dtype": eval_dtype,
+                    "eval.num_prompts": 2,
+                    "eval.max_new_tokens": 10,
+                    "eval.k": 2,
+                    **extra,
+                },
+            ),
+        )
+    )
     report = json.loads((run / "eval" / "report.json").read_text())
     fmt = DRAFTERS[family].SERVE_FORMAT  # the format vLLM serves it from; every format: tests/test_init_from.py
-    verified = {fmt: main(["export", str(run / "final"), "--format", fmt, "--out", str(out / f"{family}-{cell}-{fmt}"),
-                           "--verify", "--data", str(data), "--dtype", eval_dtype])}
+    verified = {
+        fmt: main(
+            [
+                "export",
+                str(run / "final"),
+                "--format",
+                fmt,
+                "--out",
+                str(out / f"{family}-{cell}-{fmt}"),
+                "--verify",
+                "--data",
+                str(data),
+                "--dtype",
+                eval_dtype,
+            ]
+        )
+    }
     return {"report": report, "verified": verified}
 
 
@@ -102,8 +136,14 @@ def test_the_matrix_fails_with_eagle1s_dtype_bug_put_back(target_dir, chat_jsonl
 
     def buggy_step(self, features, token_embeds, position_ids, attention_mask, cache=None):
         x = self.fc(torch.cat([token_embeds, features.to(token_embeds.dtype)], dim=-1))
-        return self.layer(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                          use_cache=cache is not None, position_embeddings=self.rotary(x, position_ids))
+        return self.layer(
+            x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=self.rotary(x, position_ids),
+        )
 
     monkeypatch.setattr(eagle.EagleDrafter, "step", buggy_step)
     with pytest.raises(RuntimeError, match="same dtype"):

@@ -32,9 +32,25 @@ def run(tiny_target_dir, chat_jsonl, tmp_path):
     from draftsmith.train.loop import train
     from tests.test_train import _overrides
 
-    return train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{
-        "drafter.type": "eagle3", "drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60,
-        "eval.enabled": True, "eval.num_prompts": 2, "eval.max_new_tokens": 10, "eval.k": 3})))
+    return train(
+        load_config(
+            None,
+            _overrides(
+                tiny_target_dir,
+                chat_jsonl,
+                tmp_path,
+                **{
+                    "drafter.type": "eagle3",
+                    "drafter.aux_layers": [0, 1, 2],
+                    "drafter.draft_vocab_size": 60,
+                    "eval.enabled": True,
+                    "eval.num_prompts": 2,
+                    "eval.max_new_tokens": 10,
+                    "eval.k": 3,
+                },
+            ),
+        )
+    )
 
 
 class FakeApi:
@@ -58,10 +74,35 @@ def test_dry_run_writes_the_folder_with_a_model_card_and_uploads_nothing(run, ti
 
     monkeypatch.setattr(huggingface_hub, "HfApi", None)  # any upload attempt would fail loudly
     out = run / "publish"
-    assert main(["publish", str(run / "final"), "--repo-id", "me/eagle3-tiny", "--format", "sglang", "--dry-run",
-                 "--out", str(out), "--target", str(tiny_target_dir), "--license", "apache-2.0"]) == 0
+    assert (
+        main(
+            [
+                "publish",
+                str(run / "final"),
+                "--repo-id",
+                "me/eagle3-tiny",
+                "--format",
+                "sglang",
+                "--dry-run",
+                "--out",
+                str(out),
+                "--target",
+                str(tiny_target_dir),
+                "--license",
+                "apache-2.0",
+            ]
+        )
+        == 0
+    )
     files = {p.name for p in out.iterdir()}
-    assert {"config.json", "model.safetensors", "README.md", "report.json", "acceptance.png", "resolved_config.yaml"} <= files
+    assert {
+        "config.json",
+        "model.safetensors",
+        "README.md",
+        "report.json",
+        "acceptance.png",
+        "resolved_config.yaml",
+    } <= files
     card = (out / "README.md").read_text()
     head = card.split("---")[1]
     assert f"base_model: {tiny_target_dir}" in head and "license: apache-2.0" in head and "- eagle3" in head
@@ -77,11 +118,29 @@ def test_upload_goes_through_huggingface_hub_and_the_token_never_shows(run, tiny
     FakeApi.calls = []
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     monkeypatch.setenv("HF_TOKEN", "hf_SECRET_token_123")
-    assert main(["publish", str(run / "final"), "--repo-id", "me/eagle3-tiny", "--private", "--revision", "v1",
-                 "--target", str(tiny_target_dir)]) == 0
+    assert (
+        main(
+            [
+                "publish",
+                str(run / "final"),
+                "--repo-id",
+                "me/eagle3-tiny",
+                "--private",
+                "--revision",
+                "v1",
+                "--target",
+                str(tiny_target_dir),
+            ]
+        )
+        == 0
+    )
     out = run / "publish-speculators"  # eagle3's default format
     assert FakeApi.calls[0] == ("init", "hf_SECRET_token_123")
-    assert ("create_repo", "me/eagle3-tiny", True) in FakeApi.calls and ("create_branch", "me/eagle3-tiny", "v1") in FakeApi.calls
+    assert ("create_repo", "me/eagle3-tiny", True) in FakeApi.calls and (
+        "create_branch",
+        "me/eagle3-tiny",
+        "v1",
+    ) in FakeApi.calls
     assert ("upload_folder", str(out), "me/eagle3-tiny", "v1") in FakeApi.calls
     printed = capsys.readouterr()
     assert "hf_SECRET" not in printed.out + printed.err
@@ -109,7 +168,10 @@ def test_refusals_are_one_line_errors(run, tiny_target_dir, monkeypatch, capsys)
     assert main(base + ["--repo-id", "me/x", "--dry-run"]) == 0
     card = (run / "publish-speculators" / "README.md").read_text()
     assert "rule-exact (every round emitted what the verification rule gives" in card
-    assert f"identical to a separately run target-only decode on {data['num_prompts'] - 1} of {data['num_prompts']}" in card
+    assert (
+        f"identical to a separately run target-only decode on {data['num_prompts'] - 1} of {data['num_prompts']}"
+        in card
+    )
     report.write_text(json.dumps({**data, "rule_exact": False}))
     assert main(base + ["--repo-id", "me/x", "--dry-run"]) == 1
     assert "broke the verification rule (rule_exact false)" in capsys.readouterr().err
@@ -126,8 +188,23 @@ def test_a_standalone_eval_leaves_the_runs_report_and_card_alone(run, tiny_targe
     from pathlib import Path
 
     own = {f: (run / "eval" / f).read_bytes() for f in ("report.json", "report.md", "acceptance.png")}
-    check = ["eval", "--drafter", str(run / "final"), "--target", str(tiny_target_dir), "--data", str(chat_jsonl),
-             "--num-prompts", "1", "--max-new-tokens", "6", "--k", "2", "--tree", "static:[[0],[1],[0,0]]"]
+    check = [
+        "eval",
+        "--drafter",
+        str(run / "final"),
+        "--target",
+        str(tiny_target_dir),
+        "--data",
+        str(chat_jsonl),
+        "--num-prompts",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--k",
+        "2",
+        "--tree",
+        "static:[[0],[1],[0,0]]",
+    ]
     for again in ("", "-2"):  # a quick check with a throwaway tree, twice: each beside the run's report, by name
         assert main(check) == 0
         wrote = Path(re.search(r"^wrote (.+)/report\.json", capsys.readouterr().out, re.M).group(1))
@@ -135,14 +212,30 @@ def test_a_standalone_eval_leaves_the_runs_report_and_card_alone(run, tiny_targe
         assert json.loads((wrote / "report.json").read_text())["num_prompts"] == 1
     assert {f: (run / "eval" / f).read_bytes() for f in own} == own
     # The card states the training run's eval, not the check.
-    assert main(["publish", str(run / "final"), "--repo-id", "me/x", "--dry-run", "--out", str(run / "pub"),
-                 "--target", str(tiny_target_dir)]) == 0
+    assert (
+        main(
+            [
+                "publish",
+                str(run / "final"),
+                "--repo-id",
+                "me/x",
+                "--dry-run",
+                "--out",
+                str(run / "pub"),
+                "--target",
+                str(tiny_target_dir),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert (run / "pub" / "report.json").read_bytes() == own["report.json"]
     assert f"{json.loads(own['report.json'])['num_prompts']} prompts" in (run / "pub" / "README.md").read_text()
     # An explicit --out holding a report needs --force; one holding anything else is never replaced.
-    for out, message in ((run / "eval", "already holds a report (report.json); --force replaces it"),
-                         (run, "not a report's files")):
+    for out, message in (
+        (run / "eval", "already holds a report (report.json); --force replaces it"),
+        (run, "not a report's files"),
+    ):
         assert main(check + ["--out", str(out)]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
@@ -157,10 +250,32 @@ def test_a_medusa2_drafter_publishes_its_heads_and_the_merged_backbone(tiny_targ
     from tests.test_medusa import MEDUSA2
     from tests.test_train import _overrides
 
-    run = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **MEDUSA2, **{
-        "eval.enabled": True, "eval.num_prompts": 2, "eval.max_new_tokens": 10, "eval.k": 2})))
-    assert main(["publish", str(run / "final"), "--repo-id", "me/medusa2-tiny", "--dry-run",
-                 "--target", str(tiny_target_dir)]) == 0
+    run = train(
+        load_config(
+            None,
+            _overrides(
+                tiny_target_dir,
+                chat_jsonl,
+                tmp_path,
+                **MEDUSA2,
+                **{"eval.enabled": True, "eval.num_prompts": 2, "eval.max_new_tokens": 10, "eval.k": 2},
+            ),
+        )
+    )
+    assert (
+        main(
+            [
+                "publish",
+                str(run / "final"),
+                "--repo-id",
+                "me/medusa2-tiny",
+                "--dry-run",
+                "--target",
+                str(tiny_target_dir),
+            ]
+        )
+        == 0
+    )
     out = run / "publish-vllm"
     assert (out / "backbone" / "config.json").is_file() and (out / "backbone" / "tokenizer.json").is_file()
     card = (out / "README.md").read_text()
@@ -168,14 +283,26 @@ def test_a_medusa2_drafter_publishes_its_heads_and_the_merged_backbone(tiny_targ
 
 
 @pytest.mark.fp32_exact
-def test_export_verify_reports_serving_parity_and_catches_a_bad_mapping(run, tiny_target_dir, chat_jsonl, capsys,
-                                                                        monkeypatch):
+def test_export_verify_reports_serving_parity_and_catches_a_bad_mapping(
+    run, tiny_target_dir, chat_jsonl, capsys, monkeypatch
+):
     import torch
 
     from draftsmith.models import eagle3
 
-    args = ["export", str(run / "final"), "--format", "speculators", "--out", str(run / "spec"), "--verify",
-            "--target", str(tiny_target_dir), "--data", str(chat_jsonl)]
+    args = [
+        "export",
+        str(run / "final"),
+        "--format",
+        "speculators",
+        "--out",
+        str(run / "spec"),
+        "--verify",
+        "--target",
+        str(tiny_target_dir),
+        "--data",
+        str(chat_jsonl),
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "serving parity on" in out and "draft-token agreement 100.0%" in out
@@ -183,8 +310,11 @@ def test_export_verify_reports_serving_parity_and_catches_a_bad_mapping(run, tin
     if importlib.util.find_spec("speculators"):  # scripts/setup.sh installs it; the check says when it is absent
         assert "`SpeculatorModel.from_pretrained` loaded it as Eagle3DraftModel" in out and "unused none" in out
         # speculators' own forward ran next to the drafter: fp32 rounding only, same argmax everywhere
-        ran = re.search(r"and ran it \(first draft step, every prompt position\): max \|Δ logits\| (\S+) over (\d+) "
-                        r"rows, argmax agreement 100\.0%\.", out)
+        ran = re.search(
+            r"and ran it \(first draft step, every prompt position\): max \|Δ logits\| (\S+) over (\d+) "
+            r"rows, argmax agreement 100\.0%\.",
+            out,
+        )
         assert ran and float(ran[1]) < 1e-5 and int(ran[2]) > 0, out
     else:
         assert "speculators' own loader was not run (speculators is not installed)" in out
@@ -203,8 +333,9 @@ def test_export_verify_reports_serving_parity_and_catches_a_bad_mapping(run, tin
 
 
 @pytest.mark.skipif(not importlib.util.find_spec("speculators"), reason="speculators is not installed")
-def test_speculators_forward_catches_what_the_load_check_and_our_reading_cannot(run, tiny_target_dir, chat_jsonl,
-                                                                               capsys, monkeypatch):
+def test_speculators_forward_catches_what_the_load_check_and_our_reading_cannot(
+    run, tiny_target_dir, chat_jsonl, capsys, monkeypatch
+):
     """Reversed aux layer ids in the exported config: every tensor still loads unchanged, and our own
     re-reading (which takes the layers from the draftsmith section) drafts the same, but speculators'
     forward fuses the wrong order of layers."""
@@ -219,10 +350,30 @@ def test_speculators_forward_catches_what_the_load_check_and_our_reading_cannot(
         (out / "config.json").write_text(json.dumps(config))
 
     monkeypatch.setitem(eagle3.EXPORTS, "speculators", reversed_ids)
-    assert main(["export", str(run / "final"), "--format", "speculators", "--out", str(run / "spec"), "--verify",
-                 "--target", str(tiny_target_dir), "--data", str(chat_jsonl)]) == 1
+    assert (
+        main(
+            [
+                "export",
+                str(run / "final"),
+                "--format",
+                "speculators",
+                "--out",
+                str(run / "spec"),
+                "--verify",
+                "--target",
+                str(tiny_target_dir),
+                "--data",
+                str(chat_jsonl),
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
-    assert "draft-token agreement 100.0%" in out and "max |Δ logits| 0.00e+00" in out and "unused none, max |Δ| 0.0e+00" in out
+    assert (
+        "draft-token agreement 100.0%" in out
+        and "max |Δ logits| 0.00e+00" in out
+        and "unused none, max |Δ| 0.0e+00" in out
+    )
     assert "— FAILED: " in out and "> 1e-04" in out, out
 
 
@@ -231,8 +382,14 @@ def _train(target_dir, data, tmp_path, family: str, extra: dict):
     from draftsmith.train.loop import train
     from tests.test_train import _overrides
 
-    return train(load_config(None, _overrides(target_dir, data, tmp_path, run=family, **{
-        "drafter.type": family, "optim.max_steps": 2, **extra})))
+    return train(
+        load_config(
+            None,
+            _overrides(
+                target_dir, data, tmp_path, run=family, **{"drafter.type": family, "optim.max_steps": 2, **extra}
+            ),
+        )
+    )
 
 
 def test_parity_compares_logits_of_every_family(tiny_target_dir, chat_jsonl, tmp_path):
@@ -242,8 +399,11 @@ def test_parity_compares_logits_of_every_family(tiny_target_dir, chat_jsonl, tmp
     from draftsmith.models.target import load_target
 
     target, tok = load_target(str(tiny_target_dir))
-    for family, fmt, extra in (("eagle", "vllm", {}), ("medusa", "vllm", {"drafter.num_heads": 2}),
-                               ("distill", "hf", {"drafter.num_layers": 1})):
+    for family, fmt, extra in (
+        ("eagle", "vllm", {}),
+        ("medusa", "vllm", {"drafter.num_heads": 2}),
+        ("distill", "hf", {"drafter.num_layers": 1}),
+    ):
         run = _train(tiny_target_dir, chat_jsonl, tmp_path, family, extra)
         out = export(run / "final", target, fmt, tmp_path / f"{family}-export", tok)
         parity = verify_export(run / "final", out, target, tok, str(chat_jsonl), k=2, prompts=1, max_new_tokens=8)
@@ -255,24 +415,63 @@ def test_parity_compares_logits_of_every_family(tiny_target_dir, chat_jsonl, tmp
 @pytest.mark.skipif(not importlib.util.find_spec("speculators"), reason="speculators is not installed")
 @pytest.mark.parametrize("switches", [{"norm_before_fc": True}, {"fc_norm": True}], ids=lambda s: "+".join(s))
 def test_eagle31_exports_carry_their_switches_where_vllm_reads_them_and_speculators_runs_them(
-        tiny_target_dir, chat_jsonl, tmp_path, capsys, switches):
+    tiny_target_dir, chat_jsonl, tmp_path, capsys, switches
+):
     """speculators' own forward (its input_norm / fc_norm code, not ours) on the exported folder gives
     our logits; the switches sit at the config's top level with vLLM's tensor names; SGLang's format,
     which has no such switches, refuses the head."""
     from safetensors.torch import load_file
 
-    run = _train(tiny_target_dir, chat_jsonl, tmp_path, "eagle3", {
-        "drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60, "drafter.norm_output": True,
-        **{f"drafter.{k}": v for k, v in switches.items()}})
+    run = _train(
+        tiny_target_dir,
+        chat_jsonl,
+        tmp_path,
+        "eagle3",
+        {
+            "drafter.aux_layers": [0, 1, 2],
+            "drafter.draft_vocab_size": 60,
+            "drafter.norm_output": True,
+            **{f"drafter.{k}": v for k, v in switches.items()},
+        },
+    )
     spec = tmp_path / "spec"
-    assert main(["export", str(run / "final"), "--format", "speculators", "--out", str(spec), "--verify",
-                 "--target", str(tiny_target_dir), "--data", str(chat_jsonl)]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(run / "final"),
+                "--format",
+                "speculators",
+                "--out",
+                str(spec),
+                "--verify",
+                "--target",
+                str(tiny_target_dir),
+                "--data",
+                str(chat_jsonl),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "loaded it as Eagle3DraftModel" in out and "unused none" in out and "argmax agreement 100.0%." in out, out
     config, state = json.loads((spec / "config.json").read_text()), load_file(spec / "model.safetensors")
     assert config["norm_output"] is True and all(config[k] is v for k, v in switches.items())
     expect = {"input_norm.weight"} if "norm_before_fc" in switches else {f"fc_norm.{i}.weight" for i in range(3)}
     assert expect <= set(state) and not any("norm_before_fc" in k for k in config["transformer_layer_config"])
-    assert main(["export", str(run / "final"), "--format", "sglang", "--out", str(tmp_path / "sg"),
-                 "--target", str(tiny_target_dir)]) == 1
+    assert (
+        main(
+            [
+                "export",
+                str(run / "final"),
+                "--format",
+                "sglang",
+                "--out",
+                str(tmp_path / "sg"),
+                "--target",
+                str(tiny_target_dir),
+            ]
+        )
+        == 1
+    )
     assert "exports only as --format speculators" in capsys.readouterr().err and not (tmp_path / "sg").exists()

@@ -18,8 +18,12 @@ from tests.conftest import REAL_ARCHS, lossless_ok, save_arch_target, write_patt
 
 FAMILIES = {
     "eagle": {"drafter.type": "eagle"},
-    "eagle3": {"drafter.type": "eagle3", "drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60,
-               "drafter.ttt_steps": 2},
+    "eagle3": {
+        "drafter.type": "eagle3",
+        "drafter.aux_layers": [0, 1, 2],
+        "drafter.draft_vocab_size": 60,
+        "drafter.ttt_steps": 2,
+    },
     "medusa": {"drafter.type": "medusa", "drafter.num_heads": 2},
     "distill": {"drafter.type": "distill", "drafter.num_layers": 1},
 }
@@ -31,11 +35,27 @@ def arch_targets(tmp_path_factory):
 
 
 def _train(target_dir, data, out, family: dict, **extra):
-    base = {"target": str(target_dir), "output_dir": str(out), "run": "r", "data.train": data, "data.holdout": data,
-            "data.max_length": 160, "optim.batch_size": 4, "optim.max_steps": 3, "optim.warmup_steps": 1,
-            "optim.lr": 1e-3, "log_every": 1, "eval.num_prompts": 2, "eval.max_new_tokens": 10, "eval.k": 2,
-            **family, **extra}
-    return train(load_config(None, [f"{k}={json.dumps(v) if isinstance(v, list) or v is None else v}" for k, v in base.items()]))
+    base = {
+        "target": str(target_dir),
+        "output_dir": str(out),
+        "run": "r",
+        "data.train": data,
+        "data.holdout": data,
+        "data.max_length": 160,
+        "optim.batch_size": 4,
+        "optim.max_steps": 3,
+        "optim.warmup_steps": 1,
+        "optim.lr": 1e-3,
+        "log_every": 1,
+        "eval.num_prompts": 2,
+        "eval.max_new_tokens": 10,
+        "eval.k": 2,
+        **family,
+        **extra,
+    }
+    return train(
+        load_config(None, [f"{k}={json.dumps(v) if isinstance(v, list) or v is None else v}" for k, v in base.items()])
+    )
 
 
 def _ropes(out) -> list[dict]:
@@ -53,7 +73,9 @@ def _ropes(out) -> list[dict]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("arch", REAL_ARCHS)
-def test_every_family_trains_evaluates_losslessly_and_exports_with_the_targets_rope(arch_targets, tmp_path, arch, family):
+def test_every_family_trains_evaluates_losslessly_and_exports_with_the_targets_rope(
+    arch_targets, tmp_path, arch, family
+):
     data = write_pattern_chats(tmp_path / "chats.jsonl", range(24))
     run = _train(arch_targets[arch], data, tmp_path, FAMILIES[family])
     report = json.loads((run / "eval" / "report.json").read_text())
@@ -94,34 +116,68 @@ def test_eagle3_default_aux_layers_are_the_engines_and_exports_name_them_in_both
     with pytest.raises(DraftsmithError, match="set drafter.aux_layers"):
         eagle3.aux_layers(eagle3.DrafterConfig(), LlamaConfig(num_hidden_layers=4))  # [1, 1, 0]: not in order
     speculators = {"eagle_aux_hidden_state_layer_ids": [2, 6, 9]}
-    sglang = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 5, 8]}, "eagle_aux_hidden_state_layer_ids": [2, 6, 9]}
+    sglang = {
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 5, 8]},
+        "eagle_aux_hidden_state_layer_ids": [2, 6, 9],
+    }
     tc = LlamaConfig(num_hidden_layers=12)
     assert eagle3.exported_aux_layers(speculators, tc) == eagle3.exported_aux_layers(sglang, tc) == [1, 5, 8]
-    assert eagle3.exported_aux_layers({"architectures": ["LlamaForCausalLMEagle3"]}, tc) == [1, 5, 8]  # engines' default
+    assert eagle3.exported_aux_layers({"architectures": ["LlamaForCausalLMEagle3"]}, tc) == [
+        1,
+        5,
+        8,
+    ]  # engines' default
 
 
 def test_init_from_an_eagle3_head_uses_its_aux_layers_and_refuses_others(arch_targets, tmp_path):
     data = write_pattern_chats(tmp_path / "chats.jsonl", range(24))
-    run = _train(arch_targets["qwen3"], data, tmp_path, {**FAMILIES["eagle3"], "drafter.aux_layers": [0, 2, 3]},
-                 **{"eval.enabled": False})
+    run = _train(
+        arch_targets["qwen3"],
+        data,
+        tmp_path,
+        {**FAMILIES["eagle3"], "drafter.aux_layers": [0, 2, 3]},
+        **{"eval.enabled": False},
+    )
     target, tok = load_target(str(arch_targets["qwen3"]), "float32")
     published = export(run / "final", target, "speculators", tmp_path / "published", tok=tok)
     # A fine-tune that names no aux layers reads the head's own.
-    tuned = _train(arch_targets["qwen3"], data, tmp_path, {**FAMILIES["eagle3"], "drafter.aux_layers": None},
-                   **{"run": "tuned", "init_from": str(published), "eval.enabled": False})
+    tuned = _train(
+        arch_targets["qwen3"],
+        data,
+        tmp_path,
+        {**FAMILIES["eagle3"], "drafter.aux_layers": None},
+        **{"run": "tuned", "init_from": str(published), "eval.enabled": False},
+    )
     assert json.loads((tuned / "final" / "config.json").read_text())["drafter_config"]["aux_layers"] == [0, 2, 3]
-    with pytest.raises(DraftsmithError, match=r"names \[0, 1, 2\] but the init_from head was trained on layers \[0, 2, 3\]"):
-        _train(arch_targets["qwen3"], data, tmp_path, FAMILIES["eagle3"],
-               **{"run": "wrong", "init_from": str(published), "eval.enabled": False})
+    with pytest.raises(
+        DraftsmithError, match=r"names \[0, 1, 2\] but the init_from head was trained on layers \[0, 2, 3\]"
+    ):
+        _train(
+            arch_targets["qwen3"],
+            data,
+            tmp_path,
+            FAMILIES["eagle3"],
+            **{"run": "wrong", "init_from": str(published), "eval.enabled": False},
+        )
 
 
 def test_bf16_training_and_eval_on_a_llama31_target_is_rule_exact(arch_targets, tmp_path):
     """The precision GPU recipes use: a bf16 target, bf16 autocast, a bf16 eval. Outputs may differ
     from a separately run bf16 target-only decode on near-ties; the verification rule may not."""
     data = write_pattern_chats(tmp_path / "chats.jsonl", range(24))
-    run = _train(arch_targets["llama3.1"], data, tmp_path, FAMILIES["eagle3"], **{
-        "target_dtype": "bfloat16", "optim.mixed_precision": "bf16", "eval.dtype": "bfloat16", "eval.num_prompts": 4,
-        "eval.max_new_tokens": 16})
+    run = _train(
+        arch_targets["llama3.1"],
+        data,
+        tmp_path,
+        FAMILIES["eagle3"],
+        **{
+            "target_dtype": "bfloat16",
+            "optim.mixed_precision": "bf16",
+            "eval.dtype": "bfloat16",
+            "eval.num_prompts": 4,
+            "eval.max_new_tokens": 16,
+        },
+    )
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["dtype"] == "bfloat16" and report["rule_exact"] is True
     assert "**the rule** (`rule_exact`: yes)" in (run / "eval" / "report.md").read_text()

@@ -18,10 +18,16 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 # CPU recipes run the embedded target; accelerate/ holds launcher configs, not recipes.
 GPU_RECIPES = sorted(p for p in RECIPES.rglob("*.yaml") if p.parent.name not in ("cpu", "accelerate"))
 # Published sizes (model cards / safetensors totals), in billions of parameters.
-PUBLISHED_B = {"meta-llama/Llama-3.1-8B-Instruct": 8.03, "meta-llama/Llama-3.1-70B-Instruct": 70.6,
-               "meta-llama/Llama-3.2-1B-Instruct": 1.24, "meta-llama/Llama-3.2-3B-Instruct": 3.21,
-               "lmsys/vicuna-7b-v1.3": 6.74, "Qwen/Qwen3-8B": 8.19, "Qwen/Qwen2.5-7B-Instruct": 7.62,
-               "Qwen/Qwen2.5-0.5B-Instruct": 0.494}
+PUBLISHED_B = {
+    "meta-llama/Llama-3.1-8B-Instruct": 8.03,
+    "meta-llama/Llama-3.1-70B-Instruct": 70.6,
+    "meta-llama/Llama-3.2-1B-Instruct": 1.24,
+    "meta-llama/Llama-3.2-3B-Instruct": 3.21,
+    "lmsys/vicuna-7b-v1.3": 6.74,
+    "Qwen/Qwen3-8B": 8.19,
+    "Qwen/Qwen2.5-7B-Instruct": 7.62,
+    "Qwen/Qwen2.5-0.5B-Instruct": 0.494,
+}
 
 
 def recipe_id(path: Path) -> str:
@@ -37,6 +43,7 @@ def models_named(cfg) -> list[str]:
 @pytest.fixture
 def no_hub(monkeypatch):
     """Planning must read nothing from the hub: every config, weight and tokenizer load fails."""
+
     def refuse(*args, **kwargs):
         raise AssertionError(f"hub access while planning: {args[:1]}")
 

@@ -23,8 +23,9 @@ def test_answers_equal_unbatched_greedy_and_features_equal_a_fresh_forward(tiny_
     prompts = [tok("say hello")["input_ids"], tok("a much longer prompt, padded less")["input_ids"], [5, 6]]
     results = answer_batch(target, prompts, 12, eos_ids(target, tok), tok.pad_token_id, NAMES)
     for prompt, (answer, feats) in zip(prompts, results):
-        ref = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                              pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+        ref = target.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id
+        )[0, len(prompt) :].tolist()
         eos = eos_ids(target, tok)
         cut = next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))
         assert answer == ref[:cut]  # exactly the target's tokens, EOS included, nothing after it
@@ -40,8 +41,18 @@ def test_regenerated_records_and_feature_cache_are_consistent(tiny_target, chat_
     target, tok = tiny_target
     ensure_pad(tok)
     out, feats = tmp_path / "regen.jsonl", tmp_path / "feats"
-    regenerate(target, tok, str(chat_jsonl), out, batch_size=5, max_new_tokens=10, max_examples=12,
-               names=NAMES, features_out=feats, fingerprint=fingerprint(target))
+    regenerate(
+        target,
+        tok,
+        str(chat_jsonl),
+        out,
+        batch_size=5,
+        max_new_tokens=10,
+        max_examples=12,
+        names=NAMES,
+        features_out=feats,
+        fingerprint=fingerprint(target),
+    )
     rows = [json.loads(l) for l in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == list(range(12))  # sorted by id although batched by length
     ds = build_dataset(str(out), tok, max_length=64)

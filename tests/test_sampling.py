@@ -63,14 +63,20 @@ def test_speculative_sampling_matches_target_distribution(peaked_target, tempera
     torch.manual_seed(0)
     proposer = eagle.make_proposer(eagle.build(eagle.DrafterConfig(), target), target, eagle.DrafterConfig())
     ref = _reference(target, temperature, top_p)
-    spec = _collect(lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), Sampler(temperature, top_p, seed=s)))
+    spec = _collect(
+        lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), Sampler(temperature, top_p, seed=s))
+    )
     assert chi_square_p(ref, spec) > 1e-3
-    ngram = _collect(lambda s: speculative_sample(target, NgramProposer(), PROMPT, 3, 3, set(), Sampler(temperature, top_p, seed=s)))
+    ngram = _collect(
+        lambda s: speculative_sample(target, NgramProposer(), PROMPT, 3, 3, set(), Sampler(temperature, top_p, seed=s))
+    )
     assert chi_square_p(ref, ngram) > 1e-3
     # Negative control: accepting every draft samples from the drafter, and the test notices, even with
     # half the samples (p 6e-7 at 1.0/1.0; more samples only give the test more power).
-    broken = _collect(lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), AcceptAll(temperature, top_p, seed=s)),
-                      N // 2)
+    broken = _collect(
+        lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), AcceptAll(temperature, top_p, seed=s)),
+        N // 2,
+    )
     assert chi_square_p(ref, broken) < 1e-3
 
 
@@ -91,12 +97,19 @@ def test_block_drafters_sample_losslessly(peaked_target, family):
     target = peaked_target
     torch.manual_seed(0)
     module = drafter_module(family)
-    cfg = module.DrafterConfig(**({"aux_layers": [0, 1, 1], "draft_vocab_size": target.config.vocab_size, "depths": 3}
-                                  if family == "peagle" else {"aux_layers": [0], "block_size": 4}))
+    cfg = module.DrafterConfig(
+        **(
+            {"aux_layers": [0, 1, 1], "draft_vocab_size": target.config.vocab_size, "depths": 3}
+            if family == "peagle"
+            else {"aux_layers": [0], "block_size": 4}
+        )
+    )
     data = {"input_ids": [list(range(target.config.vocab_size))], "loss_mask": [[1] * target.config.vocab_size]}
     proposer = module.make_proposer(module.build(cfg, target, data).eval(), target, cfg)
     ref = _reference(target, 1.0, 1.0)
     spec = _collect(lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), Sampler(1.0, 1.0, seed=s)))
     assert chi_square_p(ref, spec) > 1e-3
-    broken = _collect(lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), AcceptAll(1.0, 1.0, seed=s)), N // 2)
+    broken = _collect(
+        lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), AcceptAll(1.0, 1.0, seed=s)), N // 2
+    )
     assert chi_square_p(ref, broken) < 1e-3

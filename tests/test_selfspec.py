@@ -25,10 +25,15 @@ def test_no_skipped_layer_is_always_accepted_and_skipping_stays_lossless(deep_ta
     prompt = tok("say 9")["input_ids"]
     ref = target_decode(target, prompt, 24, set())
     stats = Stats(k=3)
-    assert speculative_decode(target, selfspec.layer_skip_proposer(target, []), prompt, 3, 24, set(), None, stats) == ref
+    assert (
+        speculative_decode(target, selfspec.layer_skip_proposer(target, []), prompt, 3, 24, set(), None, stats) == ref
+    )
     assert stats.acceptance_rate == 1.0
     stats = Stats(k=3)
-    assert speculative_decode(target, selfspec.layer_skip_proposer(target, [1, 2]), prompt, 3, 24, set(), None, stats) == ref
+    assert (
+        speculative_decode(target, selfspec.layer_skip_proposer(target, [1, 2]), prompt, 3, 24, set(), None, stats)
+        == ref
+    )
     assert len(target.get_decoder().layers) == 4  # the target is whole again after every draft
 
 
@@ -44,7 +49,9 @@ def test_calibration_picks_layers_saves_them_and_compare_loads_them(deep_target,
     from draftsmith.eval.compare import compare
 
     target, tok, path = deep_target
-    choice = selfspec.calibrate(target, tok, str(chat_jsonl), k=2, num_prompts=2, max_new_tokens=8, budget=5, log=lambda s: None)
+    choice = selfspec.calibrate(
+        target, tok, str(chat_jsonl), k=2, num_prompts=2, max_new_tokens=8, budget=5, log=lambda s: None
+    )
     assert 0 not in choice["skip"] and len(choice["skip"]) < 3 and choice["evaluations"] <= 5
     assert choice["cost_fraction"] <= 1 and choice["tau"] >= 1
     out = selfspec.save(choice, target, str(path), tmp_path / "skip")

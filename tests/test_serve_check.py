@@ -22,24 +22,40 @@ FAMILIES = {
     "eagle3": EAGLE3,
     "eagle": {"drafter.type": "eagle"},
     # A reduced head vocabulary the way vLLM serves it: one shared lm_head (the target's rows) + token_map.
-    "medusa": {"drafter.type": "medusa", "drafter.num_heads": 3, "drafter.draft_vocab_size": 60,
-               "drafter.original_lm_head": True},
-    "medusa2": {"drafter.type": "medusa", "drafter.num_heads": 3, "drafter.backbone": "lora",
-                "drafter.backbone_lr": 1e-3, "drafter.draft_vocab_size": 60, "drafter.original_lm_head": True},
+    "medusa": {
+        "drafter.type": "medusa",
+        "drafter.num_heads": 3,
+        "drafter.draft_vocab_size": 60,
+        "drafter.original_lm_head": True,
+    },
+    "medusa2": {
+        "drafter.type": "medusa",
+        "drafter.num_heads": 3,
+        "drafter.backbone": "lora",
+        "drafter.backbone_lr": 1e-3,
+        "drafter.draft_vocab_size": 60,
+        "drafter.original_lm_head": True,
+    },
     "distill": {"drafter.type": "distill", "drafter.num_layers": 2},
     # EAGLE-3.1: speculators' defaults (norm_before_fc + norm_output), and fc_norm instead.
     "eagle3.1": {**EAGLE3, "drafter.norm_before_fc": True, "drafter.norm_output": True},
     "eagle3.1-fc_norm": {**EAGLE3, "drafter.fc_norm": True, "drafter.norm_output": True},
     # Block drafters: one drafter pass per round.
-    "peagle": {"drafter.type": "peagle", "drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60,
-               "drafter.depths": 4},
+    "peagle": {
+        "drafter.type": "peagle",
+        "drafter.aux_layers": [0, 1, 2],
+        "drafter.draft_vocab_size": 60,
+        "drafter.depths": 4,
+    },
     "dflash": {"drafter.type": "dflash", "drafter.aux_layers": [0, 1, 2], "drafter.block_size": 4},
 }
 
 
 def needs_vllm(test):
     """A test that talks to a real vLLM server: marker `vllm`, skipped where none is installed."""
-    return pytest.mark.vllm(pytest.mark.skipif(not vllm_server.available(), reason="no vLLM: bash scripts/setup.sh --vllm")(test))
+    return pytest.mark.vllm(
+        pytest.mark.skipif(not vllm_server.available(), reason="no vLLM: bash scripts/setup.sh --vllm")(test)
+    )
 
 
 def _processes_with(text: str) -> list[int]:
@@ -71,8 +87,12 @@ def pattern(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("pattern")
     save_pattern_target(root / "target")
-    return {"root": root, "target": root / "target", "train": write_pattern_chats(root / "train.jsonl", range(130)),
-            "holdout": write_pattern_chats(root / "holdout.jsonl", range(200, 212))}
+    return {
+        "root": root,
+        "target": root / "target",
+        "train": write_pattern_chats(root / "train.jsonl", range(130)),
+        "holdout": write_pattern_chats(root / "holdout.jsonl", range(200, 212)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +106,29 @@ def trained(pattern):
 
     def get(family: str) -> Path:
         if family not in runs:
-            runs[family] = train(load_config(None, _overrides(pattern["target"], pattern["train"], pattern["root"] / family, **{
-                "data.regenerate": True, "optim.max_steps": 80, "optim.lr": 3e-3, "optim.batch_size": 8,
-                "log_every": 40, **FAMILIES[family]}))) / "final"
+            runs[family] = (
+                train(
+                    load_config(
+                        None,
+                        _overrides(
+                            pattern["target"],
+                            pattern["train"],
+                            pattern["root"] / family,
+                            **{
+                                "data.regenerate": True,
+                                "optim.max_steps": 80,
+                                "optim.lr": 3e-3,
+                                "optim.batch_size": 8,
+                                "log_every": 40,
+                                **FAMILIES[family],
+                            },
+                        ),
+                    )
+                )
+                / "final"
+            )
         return runs[family]
+
     return get
 
 
@@ -103,11 +142,20 @@ def target_server(pattern):
 
 
 def _check(pattern, target_server, path, out, **kw):
-    return serve_check(path, pattern["holdout"], out, num_prompts=12, max_new_tokens=40, k=3,
-                       target_server=target_server.url if target_server else None, **kw)
+    return serve_check(
+        path,
+        pattern["holdout"],
+        out,
+        num_prompts=12,
+        max_new_tokens=40,
+        k=3,
+        target_server=target_server.url if target_server else None,
+        **kw,
+    )
 
 
 # --- a real vLLM server ------------------------------------------------------------------------------
+
 
 @needs_vllm
 def test_eagle3_export_served_by_vllm_matches_draftsmith(pattern, trained, target_server, tmp_path):
@@ -120,7 +168,9 @@ def test_eagle3_export_served_by_vllm_matches_draftsmith(pattern, trained, targe
     assert len(r["vllm_per_position"]) == len(r["draftsmith_per_position"]) == 3
     assert [c["concurrency"] for c in r["concurrency"]] == [1, 2]
     assert [c["batch_size"] for c in r["draftsmith_batch_curve"]] == [1, 2]
-    assert {"serve_check.json", "serve_check.md", "serve_check.png", "export"} <= {p.name for p in (tmp_path / "sc").iterdir()}
+    assert {"serve_check.json", "serve_check.md", "serve_check.png", "export"} <= {
+        p.name for p in (tmp_path / "sc").iterdir()
+    }
     assert json.loads((tmp_path / "sc" / "export" / "config.json").read_text())["speculators_model_type"] == "eagle3"
     assert not _processes_with(str(tmp_path / "sc" / "export"))  # the speculative server is gone
 
@@ -159,8 +209,9 @@ def test_a_broken_export_fails_with_a_tau_difference(pattern, trained, target_se
 
 @needs_vllm
 @pytest.mark.vllm_families
-@pytest.mark.parametrize("family", ["eagle", "medusa", "medusa2", "distill", "eagle3.1", "eagle3.1-fc_norm",
-                                    "peagle", "dflash"])
+@pytest.mark.parametrize(
+    "family", ["eagle", "medusa", "medusa2", "distill", "eagle3.1", "eagle3.1-fc_norm", "peagle", "dflash"]
+)
 def test_every_family_vllm_serves_passes(pattern, trained, target_server, tmp_path, family):
     # Medusa-2 serves its own trained backbone: the shared target-only server does not apply.
     r = _check(pattern, None if family == "medusa2" else target_server, trained(family), tmp_path / "sc")
@@ -220,16 +271,20 @@ def test_regenerate_through_vllm_keeps_vllms_exact_ids_and_resumes(pattern, targ
         if len(calls) == 4:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
+
     monkeypatch.setattr(vllm_server, "complete", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        regen.regenerate_vllm(str(pattern["target"]), tok, pattern["holdout"], out, 40, concurrency=1,
-                              server=target_server.url)
+        regen.regenerate_vllm(
+            str(pattern["target"]), tok, pattern["holdout"], out, 40, concurrency=1, server=target_server.url
+        )
     # The request in flight when Ctrl-C came may still land; every line is whole and nothing is final yet.
     answered = [json.loads(l)["id"] for l in (tmp_path / "regen.jsonl.partial").read_text().splitlines()]
     assert not out.exists() and 3 <= len(answered) < 12
     monkeypatch.setattr(vllm_server, "complete", lambda *a, **k: calls.append(1) or real(*a, **k))
     calls.clear()
-    regen.regenerate_vllm(str(pattern["target"]), tok, pattern["holdout"], out, 40, concurrency=4, server=target_server.url)
+    regen.regenerate_vllm(
+        str(pattern["target"]), tok, pattern["holdout"], out, 40, concurrency=4, server=target_server.url
+    )
     records = [json.loads(l) for l in out.read_text().splitlines()]
     assert len(calls) == 12 - len(answered) and [r["id"] for r in records] == list(range(12))  # none asked twice
     prompts = [encode_prompt(tok, p) for p in load_prompts(pattern["holdout"])]
@@ -238,29 +293,59 @@ def test_regenerate_through_vllm_keeps_vllms_exact_ids_and_resumes(pattern, targ
     # The CLI form writes the same records.
     from draftsmith.cli import main
 
-    assert main(["data", "regenerate", "--engine", "vllm", "--target", str(pattern["target"]), "--data", pattern["holdout"],
-                 "--out", str(tmp_path / "cli.jsonl"), "--max-new-tokens", "40", "--server", target_server.url]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "regenerate",
+                "--engine",
+                "vllm",
+                "--target",
+                str(pattern["target"]),
+                "--data",
+                pattern["holdout"],
+                "--out",
+                str(tmp_path / "cli.jsonl"),
+                "--max-new-tokens",
+                "40",
+                "--server",
+                target_server.url,
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "cli.jsonl").read_text() == out.read_text()
     # In fp32 vLLM's greedy answers are the in-process engine's, token for token.
     inproc = regen.regenerate(target, tok, pattern["holdout"], tmp_path / "hf.jsonl", 4, 40)
-    assert [json.loads(l)["completion_ids"] for l in inproc.read_text().splitlines()] == [r["completion_ids"] for r in records]
+    assert [json.loads(l)["completion_ids"] for l in inproc.read_text().splitlines()] == [
+        r["completion_ids"] for r in records
+    ]
 
 
 # --- no server needed ---------------------------------------------------------------------------------
 
+
 def test_counters_from_vllms_metrics_text(monkeypatch):
-    text = "\n".join([
-        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
-        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 652.0',
-        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 1956.0',
-        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 428.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 103.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 270.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 55.0',
-        'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9'])
+    text = "\n".join(
+        [
+            "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 652.0',
+            'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 1956.0',
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 428.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 103.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 270.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 55.0',
+            'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9',
+        ]
+    )
     monkeypatch.setattr(vllm_server, "_get", lambda url, timeout=10.0: text)
     c = vllm_server.spec_counters(vllm_server.Server("http://x", "m"))
-    assert c == {"num_drafts": 652.0, "num_draft_tokens": 1956.0, "num_accepted_tokens": 428.0, "per_pos": [270.0, 103.0, 55.0]}
+    assert c == {
+        "num_drafts": 652.0,
+        "num_draft_tokens": 1956.0,
+        "num_accepted_tokens": 428.0,
+        "per_pos": [270.0, 103.0, 55.0],
+    }
     # The issue's own reading of these counters: τ 1.66, per-position 0.41 / 0.38 / 0.53.
     a = vllm_acceptance(c)
     assert a["vllm_tau"] == pytest.approx(1.656, abs=1e-3)
@@ -275,14 +360,19 @@ def test_tau_tolerance_is_one_round_per_prompt_plus_near_ties():
 
 
 def test_startup_error_is_the_line_that_names_the_cause():
-    log = "\n".join([
-        "(APIServer pid=1) INFO 12-01 10:11:05 [core.py:133] Initializing a V1 LLM engine",
-        "(EngineCore pid=2) Traceback (most recent call last):",
-        '(EngineCore pid=2)   File "medusa.py", line 200, in load_weights',
-        "(EngineCore pid=2) AssertionError: Attempted to load weight (torch.Size([8192, 576])) into parameter (torch.Size([49152, 576]))",
-        "(APIServer pid=1) RuntimeError: Engine core initialization failed. See root cause above."])
+    log = "\n".join(
+        [
+            "(APIServer pid=1) INFO 12-01 10:11:05 [core.py:133] Initializing a V1 LLM engine",
+            "(EngineCore pid=2) Traceback (most recent call last):",
+            '(EngineCore pid=2)   File "medusa.py", line 200, in load_weights',
+            "(EngineCore pid=2) AssertionError: Attempted to load weight (torch.Size([8192, 576])) into parameter (torch.Size([49152, 576]))",
+            "(APIServer pid=1) RuntimeError: Engine core initialization failed. See root cause above.",
+        ]
+    )
     assert vllm_server.startup_error(log).startswith("AssertionError: Attempted to load weight")  # the root cause
-    assert vllm_server.startup_error(log.rsplit("\n", 1)[0] + "\nRuntimeError: no port").startswith("RuntimeError: no port")
+    assert vllm_server.startup_error(log.rsplit("\n", 1)[0] + "\nRuntimeError: no port").startswith(
+        "RuntimeError: no port"
+    )
     assert vllm_server.startup_error("nothing useful\nlast words") == "last words"
 
 
@@ -320,10 +410,14 @@ def test_a_family_vllm_cannot_serve_is_named(tiny_target_dir, chat_jsonl, tmp_pa
     from draftsmith.train.loop import train
     from tests.test_train import _overrides
 
-    final = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{"optim.max_steps": 1}))) / "final"
+    final = (
+        train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{"optim.max_steps": 1}))) / "final"
+    )
     monkeypatch.setattr(eagle, "SERVE_FORMAT", None)
     target, tok = load_target(str(tiny_target_dir))
-    with pytest.raises(DraftsmithError, match=r"vLLM serves no eagle export \(it serves eagle3, peagle, dflash, medusa, distill\)"):
+    with pytest.raises(
+        DraftsmithError, match=r"vLLM serves no eagle export \(it serves eagle3, peagle, dflash, medusa, distill\)"
+    ):
         sc.prepare(final, tmp_path / "out", target, tok)
 
 
@@ -341,8 +435,15 @@ def test_medusa_reduced_vocabulary_is_exported_the_one_way_vllm_loads_it(tiny_ta
 
     target, tok = load_target(str(tiny_target_dir))
     common = {"drafter.type": "medusa", "drafter.num_heads": 2, "drafter.draft_vocab_size": 40, "optim.max_steps": 2}
-    shared = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "a", **common,
-                                                **{"drafter.original_lm_head": True}))) / "final"
+    shared = (
+        train(
+            load_config(
+                None,
+                _overrides(tiny_target_dir, chat_jsonl, tmp_path / "a", **common, **{"drafter.original_lm_head": True}),
+            )
+        )
+        / "final"
+    )
     out = export(shared, target, "vllm", tmp_path / "shared", tok)
     config, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
     assert config["original_lm_head"] and config["truncated_vocab_size"] == 40 and config["vocab_size"] == len(tok)
@@ -363,15 +464,36 @@ def test_regeneration_bench_prints_both_engines_and_their_agreement(pattern, tmp
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"target: {pattern['target']}\ndrafter:\n  type: eagle\n")
-    regen_vllm.main(["--recipe", str(recipe), "--data", pattern["holdout"], "--num-prompts", "6", "--max-new-tokens",
-                     "30", "--batch-size", "3", "--concurrency", "3", "--out", str(tmp_path / "b")])
+    regen_vllm.main(
+        [
+            "--recipe",
+            str(recipe),
+            "--data",
+            pattern["holdout"],
+            "--num-prompts",
+            "6",
+            "--max-new-tokens",
+            "30",
+            "--batch-size",
+            "3",
+            "--concurrency",
+            "3",
+            "--out",
+            str(tmp_path / "b"),
+        ]
+    )
     result = json.loads((tmp_path / "b" / "regen.json").read_text())
     assert result["prompts"] == 6 and result["hf"]["answers_per_s"] > 0 and result["vllm"]["answers_per_s"] > 0
-    assert result["agreement"] == {"identical_answers": 6, "answers": 6, "token_agreement": 1.0}  # fp32: the same answers
+    assert result["agreement"] == {
+        "identical_answers": 6,
+        "answers": 6,
+        "token_agreement": 1.0,
+    }  # fp32: the same answers
     assert "greedy agreement (float32): 6/6" in capsys.readouterr().out
 
 
 # --- real architectures in vLLM (marker vllm_families: two servers per check) ------------------------
+
 
 @pytest.mark.vllm_families
 @needs_vllm
@@ -387,13 +509,37 @@ def test_real_architecture_exports_served_by_vllm_match_draftsmith(tmp_path, arc
     from tests.test_train import _overrides
 
     target = save_pattern_target(tmp_path / "target", arch=arch)
-    data, holdout = write_pattern_chats(tmp_path / "train.jsonl", range(130)), write_pattern_chats(tmp_path / "h.jsonl", range(200, 212))
-    final = train(load_config(None, _overrides(target, data, tmp_path / family, **{
-        "data.regenerate": True, "data.max_length": 160, "optim.max_steps": 80, "optim.lr": 3e-3,
-        "optim.batch_size": 8, "log_every": 40, **FAMILIES[family]}))) / "final"
+    data, holdout = (
+        write_pattern_chats(tmp_path / "train.jsonl", range(130)),
+        write_pattern_chats(tmp_path / "h.jsonl", range(200, 212)),
+    )
+    final = (
+        train(
+            load_config(
+                None,
+                _overrides(
+                    target,
+                    data,
+                    tmp_path / family,
+                    **{
+                        "data.regenerate": True,
+                        "data.max_length": 160,
+                        "optim.max_steps": 80,
+                        "optim.lr": 3e-3,
+                        "optim.batch_size": 8,
+                        "log_every": 40,
+                        **FAMILIES[family],
+                    },
+                ),
+            )
+        )
+        / "final"
+    )
     r = serve_check(final, holdout, tmp_path / "sc", num_prompts=12, max_new_tokens=40, k=3)
     assert r["loaded"] and r["passed"], r.get("why")
     assert r["identical_to_target_only"] and r["identical_to_draftsmith"]
     assert r["draftsmith_tau"] > 1.3 and r["tau_rel_diff"] <= r["tau_tolerance"]
-    print(f"{arch} {family}: vLLM τ {r['vllm_tau']:.3f}, draftsmith τ {r['draftsmith_tau']:.3f}, "
-          f"identical {r['prompts_identical_to_draftsmith']}/12")
+    print(
+        f"{arch} {family}: vLLM τ {r['vllm_tau']:.3f}, draftsmith τ {r['draftsmith_tau']:.3f}, "
+        f"identical {r['prompts_identical_to_draftsmith']}/12"
+    )

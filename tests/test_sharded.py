@@ -15,17 +15,44 @@ from tests.conftest import MULTIPROCESS, write_pattern_chats
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-TWO = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-       "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", "-m", "draftsmith.cli", "train"]
+TWO = [
+    sys.executable,
+    "-m",
+    "accelerate.commands.launch",
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+    "--main_process_port",
+    "0",
+    "-m",
+    "draftsmith.cli",
+    "train",
+]
 ONE = [sys.executable, "-m", "draftsmith.cli", "train"]
 
 
 def _args(tmp_path, target, data, run, **extra):
     recipe = tmp_path / "empty.yaml"
     recipe.write_text("{}\n")
-    base = {"target": target, "output_dir": tmp_path, "run": run, "data.train": data, "data.holdout": data,
-            "data.max_length": 64, "optim.batch_size": 2, "optim.max_steps": 2, "optim.warmup_steps": 1,
-            "eval.enabled": False, **extra}
+    base = {
+        "target": target,
+        "output_dir": tmp_path,
+        "run": run,
+        "data.train": data,
+        "data.holdout": data,
+        "data.max_length": 64,
+        "optim.batch_size": 2,
+        "optim.max_steps": 2,
+        "optim.warmup_steps": 1,
+        "eval.enabled": False,
+        **extra,
+    }
     return [str(recipe), *(f"{k}={v}" for k, v in base.items())]
 
 
@@ -43,8 +70,12 @@ def _features(folder: Path) -> dict:
 @MULTIPROCESS
 def test_two_ranks_regenerate_and_cache_features_exactly_as_one_process(tiny_target_dir, tmp_path):
     data = write_pattern_chats(tmp_path / "chats.jsonl", range(12))
-    common = {"data.regenerate": "true", "data.regenerate_max_new_tokens": 12, "data.regenerate_batch_size": 2,
-              "data.offline_features": "auto"}
+    common = {
+        "data.regenerate": "true",
+        "data.regenerate_max_new_tokens": 12,
+        "data.regenerate_batch_size": 2,
+        "data.offline_features": "auto",
+    }
     _, t1 = _launch(ONE, _args(tmp_path, tiny_target_dir, data, "one", cache_dir=tmp_path / "c1", **common))
     out, t2 = _launch(TWO, _args(tmp_path, tiny_target_dir, data, "two", cache_dir=tmp_path / "c2", **common))
     assert "2 process(es)" in out
@@ -62,8 +93,21 @@ def test_two_ranks_regenerate_and_cache_features_exactly_as_one_process(tiny_tar
 @MULTIPROCESS
 def test_a_final_eval_longer_than_the_process_group_timeout_does_not_fail_the_other_rank(tiny_target_dir, tmp_path):
     data = write_pattern_chats(tmp_path / "chats.jsonl", range(12))
-    out, seconds = _launch(TWO, _args(tmp_path, tiny_target_dir, data, "r", **{
-        "dist_timeout_minutes": 0.05, "eval.enabled": "true", "eval.num_prompts": 12, "eval.max_new_tokens": 120}))
+    out, seconds = _launch(
+        TWO,
+        _args(
+            tmp_path,
+            tiny_target_dir,
+            data,
+            "r",
+            **{
+                "dist_timeout_minutes": 0.05,
+                "eval.enabled": "true",
+                "eval.num_prompts": 12,
+                "eval.max_new_tokens": 120,
+            },
+        ),
+    )
     timings = json.loads((tmp_path / "r" / "timings.json").read_text())
     assert timings["eval"] > 3.0, timings  # rank 0 worked alone for longer than the 3-second timeout
     assert (tmp_path / "r" / "eval" / "report.json").is_file()

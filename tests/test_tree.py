@@ -142,8 +142,16 @@ def test_perfect_tree_gets_full_acceptance(tiny_target):
     target, _ = tiny_target
     prompt, depth, rounds = [1, 7, 9, 30, 31, 7, 9, 12], 4, 3
     stats = Stats(k=depth)
-    out = speculative_decode(target, OracleTree(target, depth), prompt, 0, 1 + rounds * (depth + 1), set(), stats=stats,
-                             tree=parse_tree("dynamic"))
+    out = speculative_decode(
+        target,
+        OracleTree(target, depth),
+        prompt,
+        0,
+        1 + rounds * (depth + 1),
+        set(),
+        stats=stats,
+        tree=parse_tree("dynamic"),
+    )
     assert out == target_greedy(target, prompt, 1 + rounds * (depth + 1), set())
     assert stats.tau == depth + 1 and stats.per_position == [1.0] * depth
     assert stats.acceptance_rate == 0.5  # half the nodes are decoys
@@ -157,8 +165,12 @@ def test_sampled_tree_matches_target_distribution(peaked_target):
     spec = parse_tree("dynamic:depth=3,top_k=3,tokens=8")
 
     def collect(sampler_cls, n=N):
-        return _collect(lambda s: speculative_decode(target, proposer, PROMPT, 0, 3, set(), sampler_cls(1.0, 1.0, seed=s),
-                                                     tree=spec), n)
+        return _collect(
+            lambda s: speculative_decode(
+                target, proposer, PROMPT, 0, 3, set(), sampler_cls(1.0, 1.0, seed=s), tree=spec
+            ),
+            n,
+        )
 
     ref = _reference(target, 1.0, 1.0)
     assert chi_square_p(ref, collect(Sampler)) > 1e-3

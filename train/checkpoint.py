@@ -93,17 +93,22 @@ def _check_layout(state: dict, path: Path, zero: int, world: int) -> None:
     """A checkpoint resumes only under the layout that wrote it: DDP and DeepSpeed store different
     files, and ZeRO partitions the optimizer state (and under ZeRO-3 the weights) per rank, which
     DeepSpeed does not repartition for another world size. One line instead of a deep traceback."""
+
     def how(z: int) -> str:
         return f"under DeepSpeed ZeRO-{z}" if z else "without DeepSpeed"
 
     saved = state.get("zero_stage", 0)  # checkpoints from before DeepSpeed support are DDP ones
     if saved != zero:
-        raise DraftsmithError(f"{path}: written {how(saved)}, but this run trains {how(zero)}; resume it with "
-                              "the setup it was written with (the same deepspeed= config or accelerate preset)")
+        raise DraftsmithError(
+            f"{path}: written {how(saved)}, but this run trains {how(zero)}; resume it with "
+            "the setup it was written with (the same deepspeed= config or accelerate preset)"
+        )
     n = state.get("processes", world)
     if zero and n != world:
-        raise DraftsmithError(f"{path}: written by {n} processes under DeepSpeed ZeRO-{zero}, whose optimizer state is "
-                              f"partitioned {n} ways and DeepSpeed cannot repartition it; resume with {n} processes")
+        raise DraftsmithError(
+            f"{path}: written by {n} processes under DeepSpeed ZeRO-{zero}, whose optimizer state is "
+            f"partitioned {n} ways and DeepSpeed cannot repartition it; resume with {n} processes"
+        )
 
 
 def save_final(accelerator, drafter, out: Path, meta: dict) -> None:

@@ -57,9 +57,13 @@ class DataConfig:
             raise DraftsmithError(f"data.malformed: expected skip or error, got {self.malformed!r}")
         if self.regenerate_engine not in ("hf", "vllm"):
             raise DraftsmithError(f"data.regenerate_engine: expected hf or vllm, got {self.regenerate_engine!r}")
-        if self.regenerate_engine == "hf" and (self.regenerate_server or self.regenerate_temperature or self.regenerate_vllm_args):
-            raise DraftsmithError("data.regenerate_server / regenerate_temperature / regenerate_vllm_args: "
-                                  "these go to vLLM; set data.regenerate_engine: vllm")
+        if self.regenerate_engine == "hf" and (
+            self.regenerate_server or self.regenerate_temperature or self.regenerate_vllm_args
+        ):
+            raise DraftsmithError(
+                "data.regenerate_server / regenerate_temperature / regenerate_vllm_args: "
+                "these go to vLLM; set data.regenerate_engine: vllm"
+            )
 
     def vllm_options(self, target: str, dtype: str, cache_dir: str = "") -> dict | None:
         """`regenerate_vllm`'s keyword arguments for `regenerate_engine: vllm` (None for hf)."""
@@ -67,10 +71,15 @@ class DataConfig:
             return None
         from draftsmith.models.target import resolve_target
 
-        return {"target": str(resolve_target(target, cache_dir)), "server": self.regenerate_server or None,
-                "temperature": self.regenerate_temperature, "top_p": self.regenerate_top_p,
-                "concurrency": self.regenerate_concurrency, "dtype": dtype,
-                "extra": tuple(str(a) for a in self.regenerate_vllm_args)}
+        return {
+            "target": str(resolve_target(target, cache_dir)),
+            "server": self.regenerate_server or None,
+            "temperature": self.regenerate_temperature,
+            "top_p": self.regenerate_top_p,
+            "concurrency": self.regenerate_concurrency,
+            "dtype": dtype,
+            "extra": tuple(str(a) for a in self.regenerate_vllm_args),
+        }
 
 
 @dataclass
@@ -184,8 +193,10 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
     limit = module.max_draft_depth(dcfg)
     depth = parse_tree(cfg.eval.tree, f"{where}: eval.tree").depth if cfg.eval.tree else cfg.eval.k
     if limit is not None and cfg.eval.enabled and depth > limit:
-        raise DraftsmithError(f"{where}: {'eval.tree' if cfg.eval.tree else 'eval.k'} drafts {depth} deep, but a "
-                              f"{module.NAME} drafter with this config drafts at most {limit} tokens per round")
+        raise DraftsmithError(
+            f"{where}: {'eval.tree' if cfg.eval.tree else 'eval.k'} drafts {depth} deep, but a "
+            f"{module.NAME} drafter with this config drafts at most {limit} tokens per round"
+        )
     return cfg
 
 
@@ -211,8 +222,10 @@ def _validate(cfg: Config, where: str) -> None:
         if not ok:
             raise DraftsmithError(f"{where}: {key} must be {expected}")
     if cfg.deepspeed and not Path(cfg.deepspeed).is_file():
-        raise DraftsmithError(f"{where}: deepspeed: {cfg.deepspeed} is not a file (a DeepSpeed JSON config, "
-                              "e.g. recipes/deepspeed/zero3.json)")
+        raise DraftsmithError(
+            f"{where}: deepspeed: {cfg.deepspeed} is not a file (a DeepSpeed JSON config, "
+            "e.g. recipes/deepspeed/zero3.json)"
+        )
     for key in PRECISION_KEYS:  # names only here; `auto` is resolved on the run's device (resolve_precision)
         precision.check(_get(cfg, key), f"{where}: {key}")
     if cfg.eval.tree:

@@ -21,14 +21,18 @@ from draftsmith.util.precision import ACCELERATE, TORCH
 # (env ACCELERATE_USE_DEEPSPEED) or when given a DeepSpeedPlugin (the recipe's `deepspeed:` key, for
 # torchrun launches). What it does not do for this loop is below, each with why.
 
+
 def make_accelerator(cfg: Config) -> Accelerator:
     """The Accelerator for this launch: DDP / one process, or DeepSpeed."""
     # How long a rank may wait in one collective before the run fails (torch's default is 10 min for
     # NCCL, 30 for gloo): the recipe's, since long phases never sit inside one (data/sharding.py).
     timeout = timedelta(minutes=cfg.dist_timeout_minutes)
-    kwargs = dict(mixed_precision=ACCELERATE[cfg.optim.mixed_precision], project_dir=str(cfg.run_dir),
-                  log_with=None if cfg.tracker == "none" else cfg.tracker,
-                  kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
+    kwargs = dict(
+        mixed_precision=ACCELERATE[cfg.optim.mixed_precision],
+        project_dir=str(cfg.run_dir),
+        log_with=None if cfg.tracker == "none" else cfg.tracker,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
+    )
     use_ds = bool(cfg.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     if cfg.deepspeed:
         # zero3_init_flag=False: the target is loaded whole and sharded explicitly (shard_target).
@@ -41,8 +45,10 @@ def make_accelerator(cfg: Config) -> Accelerator:
         # group backend and counts the world as 1. Naming gloo (what DeepSpeed's CPU accelerator uses
         # too) gives it the real world size; each rank still needs a launcher (torchrun) to exist.
         if "LOCAL_RANK" not in os.environ:
-            raise DraftsmithError("DeepSpeed without CUDA needs a distributed launcher: torchrun --nproc_per_node N "
-                                  "-m draftsmith.cli train ... (or launch.sh --preset zero3 --cpu-procs N)")
+            raise DraftsmithError(
+                "DeepSpeed without CUDA needs a distributed launcher: torchrun --nproc_per_node N "
+                "-m draftsmith.cli train ... (or launch.sh --preset zero3 --cpu-procs N)"
+            )
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
         cpu = False
         _without_deepspeed_shm_op()
@@ -50,14 +56,18 @@ def make_accelerator(cfg: Config) -> Accelerator:
         # accelerate enables FSDP only on accelerators and otherwise prepares bare modules: every rank
         # would train on its own, silently. (tests/test_fsdp.py runs this loop under FSDP on CPUs by
         # giving the Accelerator the state it has on GPUs.)
-        raise DraftsmithError("the fsdp preset needs GPUs: accelerate enables FSDP only on accelerators; on CPUs "
-                              "use --preset zero3 (which shards the target too) or zero2")
+        raise DraftsmithError(
+            "the fsdp preset needs GPUs: accelerate enables FSDP only on accelerators; on CPUs "
+            "use --preset zero3 (which shards the target too) or zero2"
+        )
     # Otherwise, without CUDA, cpu=True makes a multi-process launch (torchrun / accelerate --multi_gpu)
     # form a gloo process group instead of N independent single-process runs.
     accelerator = Accelerator(cpu=cpu, **kwargs)
     if use_ds and accelerator.distributed_type != DistributedType.DEEPSPEED:  # e.g. ACCELERATE_USE_CPU=1 wins
-        raise DraftsmithError(f"DeepSpeed was asked for, but accelerate set up {accelerator.distributed_type.value} "
-                              "(is ACCELERATE_USE_CPU set?)")
+        raise DraftsmithError(
+            f"DeepSpeed was asked for, but accelerate set up {accelerator.distributed_type.value} "
+            "(is ACCELERATE_USE_CPU set?)"
+        )
     return accelerator
 
 
@@ -80,23 +90,32 @@ def fill_deepspeed_config(accelerator: Accelerator, cfg: Config, hidden: int) ->
     target's hidden size (accelerate's formulas; it looks for a `.config` drafters need not have)."""
     ds, o = accelerator.state.deepspeed_plugin.deepspeed_config, cfg.optim
     zero = ds.setdefault("zero_optimization", {})
-    for key, value in {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-                       "stage3_param_persistence_threshold": 10 * hidden}.items():
+    for key, value in {
+        "reduce_bucket_size": hidden * hidden,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "stage3_param_persistence_threshold": 10 * hidden,
+    }.items():
         if zero.get(key) == "auto":
             zero[key] = value
     source = cfg.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "the DeepSpeed config")
-    wanted = {"gradient_accumulation_steps": ("optim.grad_accum", o.grad_accum),
-              "gradient_clipping": ("optim.clip_grad", o.clip_grad),
-              "train_micro_batch_size_per_gpu": ("optim.batch_size", o.batch_size),
-              "train_batch_size": ("optim.batch_size x processes x optim.grad_accum",
-                                   o.batch_size * accelerator.num_processes * o.grad_accum)}
+    wanted = {
+        "gradient_accumulation_steps": ("optim.grad_accum", o.grad_accum),
+        "gradient_clipping": ("optim.clip_grad", o.clip_grad),
+        "train_micro_batch_size_per_gpu": ("optim.batch_size", o.batch_size),
+        "train_batch_size": (
+            "optim.batch_size x processes x optim.grad_accum",
+            o.batch_size * accelerator.num_processes * o.grad_accum,
+        ),
+    }
     for key, (name, value) in wanted.items():
         have = ds.get(key, "auto")
         if have == "auto":
             ds[key] = value
         elif float(have) != float(value):
-            raise DraftsmithError(f"{source}: {key} is {have} but {name} is {value}; set it to \"auto\" "
-                                  "(filled from the recipe) or to the same value")
+            raise DraftsmithError(
+                f'{source}: {key} is {have} but {name} is {value}; set it to "auto" '
+                "(filled from the recipe) or to the same value"
+            )
 
 
 @contextmanager
@@ -134,14 +153,22 @@ def shard_target(accelerator: Accelerator, target, shares_weights: bool = False)
         return None
     ds, h = accelerator.state.deepspeed_plugin.deepspeed_config, target.config.get_text_config().hidden_size
     dtype, full = next(target.parameters()).dtype, _held_bytes(target)
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 10 * h,  # accelerate's sizes for `auto`:
-            "stage3_prefetch_bucket_size": int(0.9 * h * h), "reduce_bucket_size": h * h}  # norms stay whole
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 10 * h,  # accelerate's sizes for `auto`:
+        "stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "reduce_bucket_size": h * h,
+    }  # norms stay whole
     if "offload_param" in ds["zero_optimization"]:  # zero3-offload: the target's shards go to CPU RAM too
         zero["offload_param"] = ds["zero_optimization"]["offload_param"]
-    config = {"train_micro_batch_size_per_gpu": ds["train_micro_batch_size_per_gpu"],
-              "gradient_accumulation_steps": ds["gradient_accumulation_steps"], "zero_optimization": zero,
-              # the target keeps target_dtype whatever precision the drafter trains in
-              "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
+    config = {
+        "train_micro_batch_size_per_gpu": ds["train_micro_batch_size_per_gpu"],
+        "gradient_accumulation_steps": ds["gradient_accumulation_steps"],
+        "zero_optimization": zero,
+        # the target keeps target_dtype whatever precision the drafter trains in
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+    }
     # Partition each parameter onto this rank's device, one at a time (from CPU RAM for a target too
     # big for one GPU); the engine then leaves placement alone, so the buffers (rotary) move here.
     deepspeed.zero.Init(module=target, config_dict_or_path=config, mem_efficient_linear=False)
@@ -149,8 +176,10 @@ def shard_target(accelerator: Accelerator, target, shares_weights: bool = False)
         buffer.data = buffer.data.to(accelerator.device)
     engine = deepspeed.initialize(model=target, config=config)[0]
     held = accelerator.gather(torch.tensor([_held_bytes(target)], device=accelerator.device)).tolist()
-    accelerator.print(f"target sharded by ZeRO-3: {' / '.join(f'{b / 2**20:.2f}' for b in held)} MiB per rank "
-                      f"of {full / 2**20:.2f} MiB (per-rank bytes {held}, full {full})")
+    accelerator.print(
+        f"target sharded by ZeRO-3: {' / '.join(f'{b / 2**20:.2f}' for b in held)} MiB per rank "
+        f"of {full / 2**20:.2f} MiB (per-rank bytes {held}, full {full})"
+    )
     return engine
 
 
@@ -164,16 +193,20 @@ def fits_whole(model, device: torch.device) -> bool:
 def _held_bytes(model) -> int:
     """Parameter bytes this rank holds: its ZeRO-3 / FSDP shard plus whatever is whole (persistent or
     gathered parameters, or all of them before sharding)."""
+
     def local(p):  # an FSDP2 parameter is a DTensor: its local shard; a ZeRO-3 one keeps ds_tensor
         return p.to_local() if hasattr(p, "to_local") else p.data
 
-    return sum((local(p).numel() + (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else 0)) * p.element_size()
-               for p in model.parameters())
+    return sum(
+        (local(p).numel() + (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else 0)) * p.element_size()
+        for p in model.parameters()
+    )
 
 
 # --- FSDP -----------------------------------------------------------------------------------------
 # accelerate's FSDP plugin (recipes/accelerate/fsdp.yaml, FSDP2) shards the drafter it prepares; the
 # frozen target is not prepared (nothing to optimise), so it is sharded here with the same engine.
+
 
 def fsdp_shard_target(accelerator: Accelerator, target, shares_weights: bool = False) -> None:
     """Shard the frozen target with torch's FSDP2 (`fully_shard`): each rank keeps 1/world of every
@@ -200,8 +233,10 @@ def fsdp_shard_target(accelerator: Accelerator, target, shares_weights: bool = F
     with torch.no_grad():  # one root forward (every rank): initialises FSDP with the model as its root
         target(input_ids=torch.zeros(1, 1, dtype=torch.long, device=accelerator.device))
     held = accelerator.gather(torch.tensor([_held_bytes(target)], device=accelerator.device)).tolist()
-    accelerator.print(f"target sharded by FSDP: {' / '.join(f'{b / 2**20:.2f}' for b in held)} MiB per rank "
-                      f"of {full / 2**20:.2f} MiB (per-rank bytes {held}, full {full})")
+    accelerator.print(
+        f"target sharded by FSDP: {' / '.join(f'{b / 2**20:.2f}' for b in held)} MiB per rank "
+        f"of {full / 2**20:.2f} MiB (per-rank bytes {held}, full {full})"
+    )
 
 
 def autocast(accelerator: Accelerator, cfg: Config, zero: int):

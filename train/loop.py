@@ -59,17 +59,22 @@ from draftsmith.train.distributed import (
 from draftsmith.util.parse import save_yaml, to_dict
 from draftsmith.util.precision import describe, hardware
 
-SCHEDULES = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup,
-             "constant": get_constant_schedule_with_warmup}
+SCHEDULES = {
+    "cosine": get_cosine_schedule_with_warmup,
+    "linear": get_linear_schedule_with_warmup,
+    "constant": get_constant_schedule_with_warmup,
+}
 
 
 def micro_batches(ds, cfg: Config, world: int, rank: int, epoch: int, start: int):
     """Yield (position, batch) for this rank from global micro-batch `start` of `epoch` on.
     Global micro-batches that cannot fill every rank are dropped (equal work on all ranks)."""
     g = cfg.optim.batch_size * world
-    batches = [b for b in epoch_batches(ds["length"], g, cfg.optim.seed, epoch, cfg.data.group_by_length) if len(b) == g]
+    batches = [
+        b for b in epoch_batches(ds["length"], g, cfg.optim.seed, epoch, cfg.data.group_by_length) if len(b) == g
+    ]
     for pos in range(start, len(batches)):
-        mine = batches[pos][rank * cfg.optim.batch_size:(rank + 1) * cfg.optim.batch_size]
+        mine = batches[pos][rank * cfg.optim.batch_size : (rank + 1) * cfg.optim.batch_size]
         yield pos, [ds[i] for i in mine]
 
 
@@ -77,6 +82,7 @@ def make_scheduler(cfg: Config, optimizer, total_steps: int) -> LambdaLR:
     """The recipe's schedule (warmup, then cosine/linear/constant) for every param group. A group
     with `start_step` s (Medusa-2's backbone after a heads-only stage) keeps lr 0 for s steps, then
     runs the whole schedule, warmup included, over the steps that remain."""
+
     def shape(steps: int):  # transformers' schedules are LambdaLRs: borrow the multiplier function
         probe = torch.optim.SGD([torch.zeros(1)], lr=1.0)
         kwargs = {} if cfg.optim.schedule == "constant" else {"num_training_steps": max(1, steps)}
@@ -92,28 +98,29 @@ def make_scheduler(cfg: Config, optimizer, total_steps: int) -> LambdaLR:
 @dataclass
 class Run:
     """What the parts of one training run share, filled in the order train() calls them."""
+
     cfg: Config
     accelerator: Accelerator
-    module: ModuleType                  # the drafter family (models/registry.py)
-    dcfg: Any                           # its config
-    zero: int                           # 0 = DDP (or one process), else DeepSpeed's ZeRO stage
+    module: ModuleType  # the drafter family (models/registry.py)
+    dcfg: Any  # its config
+    zero: int  # 0 = DDP (or one process), else DeepSpeed's ZeRO stage
     fsdp: bool
     phases: dict = field(default_factory=dict)  # wall seconds per phase, printed and saved at the end
     target: Any = None
     tok: Any = None
-    fp: str = ""                        # the target's fingerprint
+    fp: str = ""  # the target's fingerprint
     ds: Any = None
-    features: Callable = None           # batch -> the target tensors the family trains on
+    features: Callable = None  # batch -> the target tensors the family trains on
     drafter: Any = None
-    init_state: dict | None = None      # the init_from weights, kept to evaluate them "before"
+    init_state: dict | None = None  # the init_from weights, kept to evaluate them "before"
     optimizer: Any = None
     scheduler: Any = None
-    sharded: Any = None                 # ZeRO-3's engine of the target, if any
-    total: int = 0                      # optimizer steps of the run
+    sharded: Any = None  # ZeRO-3's engine of the target, if any
+    total: int = 0  # optimizer steps of the run
     step: int = 0
     epoch: int = 0
-    pos: int = 0                        # global micro-batch of the epoch to continue from
-    train_seconds: float = 0.0          # the loop's wall time (final/config.json)
+    pos: int = 0  # global micro-batch of the epoch to continue from
+    train_seconds: float = 0.0  # the loop's wall time (final/config.json)
 
     @property
     def world(self) -> int:
@@ -125,8 +132,14 @@ class Run:
 
     def state(self) -> dict:
         """Where a checkpoint resumes: the loop's position, and what it was trained with."""
-        return {"step": self.step, "epoch": self.epoch, "position": self.pos + 1, "target_fingerprint": self.fp,
-                "processes": self.world, "zero_stage": self.zero}
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "position": self.pos + 1,
+            "target_fingerprint": self.fp,
+            "processes": self.world,
+            "zero_stage": self.zero,
+        }
 
 
 def train(cfg: Config) -> Path:
@@ -146,7 +159,9 @@ def train(cfg: Config) -> Path:
         return run.cfg.run_dir
     if run.cfg.eval.enabled:
         with phase(run, "eval"):
-            eval_stage(run.cfg, run.accelerator, run.module, run.dcfg, run.drafter, run.target, run.tok, final, run.init_state)
+            eval_stage(
+                run.cfg, run.accelerator, run.module, run.dcfg, run.drafter, run.target, run.tok, final, run.init_state
+            )
     (run.cfg.run_dir / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in run.phases.items()}, indent=1))
     run.accelerator.print("wall time: " + " | ".join(f"{k} {v / 60:.1f} min" for k, v in run.phases.items()))
     run.accelerator.end_training()  # also tears down the process group, so it comes last
@@ -169,10 +184,18 @@ def start(cfg: Config) -> Run:
     # `auto` precisions become what this hardware runs natively (bf16 only where it is native).
     cfg = resolve_precision(cfg)
     accelerator = make_accelerator(cfg)
-    run = Run(cfg, accelerator, drafter_module(cfg.drafter["type"]), drafter_config(cfg),
-              zero=checkpoint.zero_stage(accelerator), fsdp=accelerator.distributed_type == DistributedType.FSDP)
-    accelerator.print(f"precision: train {cfg.optim.mixed_precision}, target {cfg.target_dtype}, eval {cfg.eval.dtype} "
-                      f"on {describe(hardware(accelerator.device))}" + (f" | DeepSpeed ZeRO-{run.zero}" if run.zero else ""))
+    run = Run(
+        cfg,
+        accelerator,
+        drafter_module(cfg.drafter["type"]),
+        drafter_config(cfg),
+        zero=checkpoint.zero_stage(accelerator),
+        fsdp=accelerator.distributed_type == DistributedType.FSDP,
+    )
+    accelerator.print(
+        f"precision: train {cfg.optim.mixed_precision}, target {cfg.target_dtype}, eval {cfg.eval.dtype} "
+        f"on {describe(hardware(accelerator.device))}" + (f" | DeepSpeed ZeRO-{run.zero}" if run.zero else "")
+    )
     set_seed(cfg.optim.seed + run.rank)  # per-rank noise streams; data order is seeded separately
     if accelerator.is_main_process:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -189,7 +212,9 @@ def load_target_and_data(run: Run) -> None:
     # (regeneration, the feature cache) when it fits there.
     sharded_target = run.zero == 3 or run.fsdp
     with whole_weights(accelerator):
-        target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir, "cpu" if sharded_target else accelerator.device)
+        target, tok = load_target(
+            cfg.target, cfg.target_dtype, cfg.cache_dir, "cpu" if sharded_target else accelerator.device
+        )
     if sharded_target and fits_whole(target, accelerator.device):
         target.to(accelerator.device)
     ensure_pad(tok)
@@ -201,7 +226,9 @@ def load_target_and_data(run: Run) -> None:
     names = module.feature_names(run.dcfg, target.config)
     # Regeneration and feature caching are split over the ranks (data/sharding.py): no rank waits in
     # a collective while another works alone.
-    run.ds, cache = training_data(cfg, target, tok, run.fp, names, Shard(run.rank, run.world, accelerator.wait_for_everyone))
+    run.ds, cache = training_data(
+        cfg, target, tok, run.fp, names, Shard(run.rank, run.world, accelerator.wait_for_everyone)
+    )
     if cache:
         run.features = FeatureCache(cache, names, run.fp)
     else:
@@ -224,11 +251,15 @@ def build_drafter_and_optimizer(run: Run) -> None:
             accelerator.print(f"initialised from {cfg.init_from}")
     set_seed(cfg.optim.seed + run.rank)
     groups = module.param_groups(run.drafter, run.dcfg, cfg.optim.lr)  # e.g. heads and backbone at their own lrs
-    run.optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
+    run.optimizer = torch.optim.AdamW(
+        groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
+    )
     per_epoch = len(run.ds) // (cfg.optim.batch_size * run.world) // cfg.optim.grad_accum
     if per_epoch == 0 and not cfg.optim.max_steps:
-        raise DraftsmithError(f"{cfg.data.train}: {len(run.ds)} examples cannot fill one optimizer step "
-                              f"(global batch {cfg.optim.batch_size * run.world * cfg.optim.grad_accum})")
+        raise DraftsmithError(
+            f"{cfg.data.train}: {len(run.ds)} examples cannot fill one optimizer step "
+            f"(global batch {cfg.optim.batch_size * run.world * cfg.optim.grad_accum})"
+        )
     run.total = cfg.optim.max_steps or max(1, math.ceil(cfg.optim.epochs * per_epoch))
     # The scheduler is stepped by hand once per optimizer step (accelerate's prepared scheduler
     # would step once per process); registering it (distribute) puts its state in every checkpoint.
@@ -262,20 +293,32 @@ def resume(run: Run) -> None:
     if cfg.tracker != "none":
         accelerator.init_trackers(cfg.run, config=_flat(to_dict(cfg)))
     n_params = sum(p.numel() for p in run.drafter.parameters() if p.requires_grad)
-    accelerator.print(f"drafter {run.module.NAME}: {n_params / 1e6:.2f}M trainable params | {len(run.ds)} examples | "
-                      f"{run.total} steps | {run.world} process(es) | target fingerprint {run.fp}")
+    accelerator.print(
+        f"drafter {run.module.NAME}: {n_params / 1e6:.2f}M trainable params | {len(run.ds)} examples | "
+        f"{run.total} steps | {run.world} process(es) | target fingerprint {run.fp}"
+    )
     groups = run.optimizer.param_groups
     if len(groups) > 1:
-        accelerator.print("param groups: " + ", ".join(
-            f"{g['name']} lr {g['initial_lr']:g}" + (f" from step {g['start_step']}" if g.get("start_step") else "")
-            for g in groups))
+        accelerator.print(
+            "param groups: "
+            + ", ".join(
+                f"{g['name']} lr {g['initial_lr']:g}" + (f" from step {g['start_step']}" if g.get("start_step") else "")
+                for g in groups
+            )
+        )
 
 
 def train_steps(run: Run) -> None:
     """The loop: micro-batches of this rank's slice, the loss normalised by the global token count,
     an optimizer step every grad_accum micro-batches, logs and checkpoints."""
-    cfg, accelerator, module, drafter, optimizer, scheduler = (run.cfg, run.accelerator, run.module, run.drafter,
-                                                               run.optimizer, run.scheduler)
+    cfg, accelerator, module, drafter, optimizer, scheduler = (
+        run.cfg,
+        run.accelerator,
+        run.module,
+        run.drafter,
+        run.optimizer,
+        run.scheduler,
+    )
     world, zero, total = run.world, run.zero, run.total
     bar = tqdm(total=total, initial=run.step, disable=not accelerator.is_local_main_process, desc="train")
     sums, t0, micro, t_start = {}, time.perf_counter(), 0, time.perf_counter()
@@ -284,9 +327,10 @@ def train_steps(run: Run) -> None:
         for run.pos, rows in micro_batches(run.ds, cfg, world, run.rank, run.epoch, run.pos):
             batch = {k: v.to(accelerator.device) for k, v in collate(rows, run.tok.pad_token_id).items()}
             sync = (micro + 1) % cfg.optim.grad_accum == 0
-            with autocast(accelerator, cfg, zero), (accelerator.no_sync(drafter) if not sync else nullcontext()):
-                loss_sum, n_tok, metrics = module.compute_loss(drafter, run.target, batch, run.features(batch), run.dcfg,
-                                                               step=run.step)
+            with autocast(accelerator, cfg, zero), accelerator.no_sync(drafter) if not sync else nullcontext():
+                loss_sum, n_tok, metrics = module.compute_loss(
+                    drafter, run.target, batch, run.features(batch), run.dcfg, step=run.step
+                )
                 # Normalise by the global token count of this micro-batch (all ranks): DDP averages
                 # gradients over ranks, so multiply back by world size.
                 n_global = accelerator.reduce(n_tok.float().detach(), "sum").clamp(min=1)
@@ -338,11 +382,18 @@ def save(run: Run) -> Path:
     checkpoint.save(accelerator, cfg.run_dir, run.step, run.state(), cfg.keep_last)
     final = cfg.run_dir / "final"
     # The family's config with every default resolved (build may fill some in from the target).
-    meta = {"drafter": run.module.NAME, "drafter_config": {"type": run.module.NAME, **asdict(run.dcfg)},
-            "target": cfg.target, "target_fingerprint": run.fp, "steps": run.step, "train_data": cfg.data.train,
-            "train_seconds": round(run.train_seconds, 1), "processes": run.world,
-            # ru_maxrss is in KiB on Linux: this rank's peak, target and data included.
-            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+    meta = {
+        "drafter": run.module.NAME,
+        "drafter_config": {"type": run.module.NAME, **asdict(run.dcfg)},
+        "target": cfg.target,
+        "target_fingerprint": run.fp,
+        "steps": run.step,
+        "train_data": cfg.data.train,
+        "train_seconds": round(run.train_seconds, 1),
+        "processes": run.world,
+        # ru_maxrss is in KiB on Linux: this rank's peak, target and data included.
+        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+    }
     checkpoint.save_final(accelerator, run.drafter, final, meta)  # every rank takes part under DeepSpeed
     accelerator.print(f"saved drafter to {final}")
     return final
@@ -357,18 +408,29 @@ def eval_stage(cfg: Config, accelerator, module, dcfg, drafter, target, tok, fin
         # DeepSpeed and FSDP the drafter is sharded (or bf16 copies of fp32 masters): evaluate final/.
         if zero == 3 or fsdp or cfg.eval.dtype != cfg.target_dtype:  # e.g. trained on bf16 features, evaluated in fp32
             target, _ = load_target(cfg.target, cfg.eval.dtype, cfg.cache_dir, accelerator.device)
-        drafter = load_drafter(final, target_to_load_on(target, final))[2] if zero or fsdp \
+        drafter = (
+            load_drafter(final, target_to_load_on(target, final))[2]
+            if zero or fsdp
             else accelerator.unwrap_model(drafter)
+        )
     drafter = drafter.to(next(target.parameters()).dtype).eval()
-    kwargs = dict(k=cfg.eval.k, num_prompts=cfg.eval.num_prompts, max_new_tokens=cfg.eval.max_new_tokens,
-                  target_name=cfg.target, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, tree=cfg.eval.tree,
-                  split=cfg.data.holdout_split or cfg.data.split)
+    kwargs = dict(
+        k=cfg.eval.k,
+        num_prompts=cfg.eval.num_prompts,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        target_name=cfg.target,
+        temperature=cfg.eval.temperature,
+        top_p=cfg.eval.top_p,
+        tree=cfg.eval.tree,
+        split=cfg.data.holdout_split or cfg.data.split,
+    )
     report = evaluate_drafter(module, drafter, dcfg, target, tok, cfg.data.holdout, cfg.run_dir / "eval", **kwargs)
     accelerator.print(format_table([report]))
     if init_state is not None:  # fine-tuned: the init's τ and ours, on the domain and the general holdout
         holdouts = [cfg.data.holdout] + [h for h in [cfg.eval.general_holdout] if h and h != cfg.data.holdout]
-        rows = [("after", report)] + [("after", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, **kwargs))
-                                      for h in holdouts[1:]]
+        rows = [("after", report)] + [
+            ("after", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, **kwargs)) for h in holdouts[1:]
+        ]
         drafter.load_state_dict(init_state)
         rows += [("before", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, **kwargs)) for h in holdouts]
         accelerator.print(write_before_after(rows, cfg.run_dir / "eval"))
@@ -386,8 +448,17 @@ def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], sha
     train_data, cache = cfg.data.train, cfg.data.offline_features
     if cfg.data.regenerate:
         vllm = cfg.data.vllm_options(cfg.target, cfg.target_dtype, cfg.cache_dir)
-        args = (target, tok, cfg.data.train, fp, cache_root(cfg.cache_dir), cfg.data.max_examples,
-                cfg.data.regenerate_max_new_tokens, cfg.data.regenerate_batch_size, names if cache == "auto" else ())
+        args = (
+            target,
+            tok,
+            cfg.data.train,
+            fp,
+            cache_root(cfg.cache_dir),
+            cfg.data.max_examples,
+            cfg.data.regenerate_max_new_tokens,
+            cfg.data.regenerate_batch_size,
+            names if cache == "auto" else (),
+        )
         which = dict(split=cfg.data.split, malformed=cfg.data.malformed)
         if vllm and not shard.main:
             out, regen_cache = regeneration_path(*args, vllm=vllm, **which), None
@@ -397,14 +468,17 @@ def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], sha
         train_data, cache = str(out), regen_cache or cache
     # Regenerated records are one file: its split is the only one.
     split = "train" if cfg.data.regenerate else cfg.data.split
-    ds = build_dataset(train_data, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc, split,
-                       cfg.data.malformed)
+    ds = build_dataset(
+        train_data, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc, split, cfg.data.malformed
+    )
     if not names:
         return ds, None
     if cache == "auto":  # computed once per (target, data, length), reused by every epoch and run
         dtype = str(next(target.parameters()).dtype)
-        key = json.dumps([fp, train_data, cfg.data.max_length, cfg.data.max_examples, list(names), dtype]
-                         + ([split] if split != "train" else []))
+        key = json.dumps(
+            [fp, train_data, cfg.data.max_length, cfg.data.max_examples, list(names), dtype]
+            + ([split] if split != "train" else [])
+        )
         cache = cache_root(cfg.cache_dir) / "features" / hashlib.sha256(key.encode()).hexdigest()[:16]
         if not (cache / "index.json").is_file():
             write_cache(target, ds, names, cache, fp, tok.pad_token_id, shard=shard)
@@ -413,7 +487,12 @@ def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], sha
 
 def _summarise(sums: dict, seconds: float, lr: float) -> dict:
     n = max(sums.get("tokens", 0.0), 1.0)
-    out = {"loss": sums["loss"] / n, "acc": sums.get("acc", 0.0) / n, "lr": lr, "tok_per_s": sums.get("tokens", 0.0) / max(seconds, 1e-9)}
+    out = {
+        "loss": sums["loss"] / n,
+        "acc": sums.get("acc", 0.0) / n,
+        "lr": lr,
+        "tok_per_s": sums.get("tokens", 0.0) / max(seconds, 1e-9),
+    }
     out.update({k: v / n for k, v in sums.items() if k not in ("loss", "tokens")})  # per-token means
     return out
 

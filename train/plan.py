@@ -34,7 +34,10 @@ PRESETS = {
     "multi-node": {"shard": (), "offload": ()},
     "zero2": {"shard": ("grads", "optimizer"), "offload": ()},
     "zero3": {"shard": ("target", "weights", "grads", "optimizer"), "offload": ()},
-    "zero3-offload": {"shard": ("target", "weights", "grads", "optimizer"), "offload": ("target", "weights", "optimizer")},
+    "zero3-offload": {
+        "shard": ("target", "weights", "grads", "optimizer"),
+        "offload": ("target", "weights", "optimizer"),
+    },
     "fsdp": {"shard": ("target", "weights", "grads", "optimizer"), "offload": ()},
 }
 GiB = 2**30
@@ -78,8 +81,9 @@ def sizes(cfg: Config, tc) -> Sizes:
     # compute_loss; eval/bench/memory.py measures them) plus the activations of the layers it trains.
     act = module.activation_bytes(dcfg, tc, drafter, B, T, e)
     act += n * b_t * feat_dims  # the target's features the family reads (online or from the cache)
-    return Sizes(sum(p.numel() for p in target.parameters()), sum(p.numel() for p in own), trainable, act,
-                 feat_dims * b_t)
+    return Sizes(
+        sum(p.numel() for p in target.parameters()), sum(p.numel() for p in own), trainable, act, feat_dims * b_t
+    )
 
 
 def per_rank(s: Sizes, preset: str, world: int, b_target: int) -> dict[str, float]:
@@ -91,9 +95,13 @@ def per_rank(s: Sizes, preset: str, world: int, b_target: int) -> dict[str, floa
             return 0.0
         return total / world if name in p["shard"] else total
 
-    out = {"target weights": part("target", s.target_params * b_target), "drafter weights": part("weights", s.drafter_params * 4),
-           "gradients": part("grads", s.trainable_params * 4), "optimizer": part("optimizer", s.trainable_params * 8),
-           "activations": s.activation_bytes}
+    out = {
+        "target weights": part("target", s.target_params * b_target),
+        "drafter weights": part("weights", s.drafter_params * 4),
+        "gradients": part("grads", s.trainable_params * 4),
+        "optimizer": part("optimizer", s.trainable_params * 8),
+        "activations": s.activation_bytes,
+    }
     out["total"] = sum(out.values())
     return out
 
@@ -105,18 +113,30 @@ def plan(cfg: Config, gpus: int, nodes: int = 1, preset: str | None = None, gpu_
     s = sizes(cfg, tc)
     world, b_t = gpus * nodes, target_bytes(cfg)
     tokens = (cfg.data.max_examples or 0) * cfg.data.max_length
-    lines = [f"{cfg.drafter['type']} drafter for {cfg.target}: target {s.target_params / 1e9:.2f}B params, drafter "
-             f"{s.drafter_params / 1e6:.1f}M own / {s.trainable_params / 1e6:.1f}M trainable; {world} rank(s); "
-             f"micro-batch {cfg.optim.batch_size} x {cfg.data.max_length} tokens",
-             f"offline feature cache: {s.feature_bytes_per_token} bytes/token"
-             + (f" x {tokens:,} tokens (max_examples x max_length) = {s.feature_bytes_per_token * tokens / GiB:.1f} GiB"
-                if tokens else f" = {s.feature_bytes_per_token * 1e9 / GiB:.0f} GiB per billion tokens"), "",
-             "| preset (GiB per rank) | target | drafter | grads | optimizer | activations | total | fits "
-             f"{gpu_memory_gib:g} GiB |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{cfg.drafter['type']} drafter for {cfg.target}: target {s.target_params / 1e9:.2f}B params, drafter "
+        f"{s.drafter_params / 1e6:.1f}M own / {s.trainable_params / 1e6:.1f}M trainable; {world} rank(s); "
+        f"micro-batch {cfg.optim.batch_size} x {cfg.data.max_length} tokens",
+        f"offline feature cache: {s.feature_bytes_per_token} bytes/token"
+        + (
+            f" x {tokens:,} tokens (max_examples x max_length) = {s.feature_bytes_per_token * tokens / GiB:.1f} GiB"
+            if tokens
+            else f" = {s.feature_bytes_per_token * 1e9 / GiB:.0f} GiB per billion tokens"
+        ),
+        "",
+        "| preset (GiB per rank) | target | drafter | grads | optimizer | activations | total | fits "
+        f"{gpu_memory_gib:g} GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name in [preset] if preset else PRESETS:
         r = per_rank(s, name, world if name not in ("single-gpu",) else 1, b_t)
         fits = "yes" if r["total"] <= gpu_memory_gib * GiB else "no"
-        lines.append(f"| {name} | " + " | ".join(f"{r[k] / GiB:.2f}" for k in
-                     ("target weights", "drafter weights", "gradients", "optimizer", "activations", "total"))
-                     + f" | {fits} |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(
+                f"{r[k] / GiB:.2f}"
+                for k in ("target weights", "drafter weights", "gradients", "optimizer", "activations", "total")
+            )
+            + f" | {fits} |"
+        )
     return "\n".join(lines)

@@ -30,14 +30,22 @@ def available() -> bool:
     """oneDNN is in every CPU build of torch; the two private ops are inductor's (torch.compile's
     frozen-weight path). If a torch build lacks them, decoding keeps the default kernels."""
     ops = getattr(torch.ops, "mkldnn", None)
-    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise"))
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
 
 
 def _packable(m: torch.nn.Module) -> bool:
     w = getattr(m, "weight", None)
-    return (type(m) is torch.nn.Linear and isinstance(w, torch.Tensor) and w.device.type == "cpu"
-            and w.dtype == torch.float32 and "forward" not in vars(m))  # not patched already (nesting)
+    return (
+        type(m) is torch.nn.Linear
+        and isinstance(w, torch.Tensor)
+        and w.device.type == "cpu"
+        and w.dtype == torch.float32
+        and "forward" not in vars(m)
+    )  # not patched already (nesting)
 
 
 def _packed_forward(m: torch.nn.Linear):
@@ -49,6 +57,7 @@ def _packed_forward(m: torch.nn.Linear):
         if torch.is_grad_enabled() or x.dtype != torch.float32:
             return default(x)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
     return forward
 
 
@@ -58,7 +67,7 @@ def packed_linears(*modules: torch.nn.Module | None, enabled: bool = True):
     patched = []
     if enabled and available():
         for module in modules:
-            for m in (module.modules() if isinstance(module, torch.nn.Module) else ()):
+            for m in module.modules() if isinstance(module, torch.nn.Module) else ():
                 if _packable(m):
                     m.forward = _packed_forward(m)
                     patched.append(m)

@@ -32,8 +32,9 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tenso
     return (-(p_teacher * log_q).sum(-1) * mask).sum()
 
 
-def topk_distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
-                           k: int) -> torch.Tensor:
+def topk_distillation_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, k: int
+) -> torch.Tensor:
     """HASS harmonized objective distillation (Zhang et al. 2024, "Learning Harmonized
     Representations for Speculative Sampling", arXiv:2408.15766): the cross-entropy restricted to
     the teacher's top-k tokens, -sum_{x in topk(p)} p(x) log q(x), so training spends its capacity
@@ -60,9 +61,12 @@ def expected_acceptance(student_logits: torch.Tensor, teacher_logits: torch.Tens
 # Each takes student and teacher logits [N, V] over the full vocabulary and a mask [N], softens both
 # at `temperature`, and returns the sum over masked rows. All are 0 iff the distributions match.
 
+
 def _log_probs(student_logits, teacher_logits, temperature: float):
-    return (F.log_softmax(student_logits.float() / temperature, dim=-1),
-            F.log_softmax(teacher_logits.float() / temperature, dim=-1))
+    return (
+        F.log_softmax(student_logits.float() / temperature, dim=-1),
+        F.log_softmax(teacher_logits.float() / temperature, dim=-1),
+    )
 
 
 def forward_kl(student_logits, teacher_logits, mask, temperature: float = 1.0) -> torch.Tensor:
@@ -100,6 +104,7 @@ def total_variation(student_logits, teacher_logits, mask, temperature: float = 1
 # With alpha = sum_x min(p(x), q(x)), the probability that speculative sampling accepts a draft token
 # (p the target, q the drafter), they train the acceptance itself rather than a proxy divergence.
 
+
 def _acceptance(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
     return torch.minimum(log_p.exp(), log_q.exp()).sum(-1)  # [N]
 
@@ -123,8 +128,14 @@ def lk_hybrid(student_logits, teacher_logits, mask, temperature: float = 1.0, et
     return ((lam * kl + (1 - lam) * (1 - alpha)) * mask).sum()
 
 
-DIVERGENCES = {"fkl": forward_kl, "rkl": reverse_kl, "jsd": jensen_shannon, "tvd": total_variation,
-               "nla": negative_log_acceptance, "lk_hybrid": lk_hybrid}
+DIVERGENCES = {
+    "fkl": forward_kl,
+    "rkl": reverse_kl,
+    "jsd": jensen_shannon,
+    "tvd": total_variation,
+    "nla": negative_log_acceptance,
+    "lk_hybrid": lk_hybrid,
+}
 
 
 def draft_ce(student_logits, teacher_logits, mask, temperature: float = 1.0) -> torch.Tensor:
@@ -148,6 +159,7 @@ def check_loss(name: str, field: str, table: dict) -> str:
 # A DFlash block is [bonus, mask x (B-1)]: slot k (1 <= k < B) drafts the k-th token after the bonus;
 # slot 0 is the bonus itself and is never trained. Draft k is only useful if drafts 1..k-1 were
 # accepted, so early slots weigh more. Both functions return weights to multiply per-slot losses by.
+
 
 def decay_position_weights(block_size: int, gamma: float) -> torch.Tensor:
     """DFlash's fixed decay: w [block_size] with w_0 = 0 (the bonus slot) and w_k = exp(-(k-1)/gamma)

@@ -22,8 +22,17 @@ import torch
 
 from draftsmith import DraftsmithError
 
-ALIASES = {"auto": "auto", "no": "float32", "false": "float32", "fp32": "float32", "float32": "float32",
-           "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+ALIASES = {
+    "auto": "auto",
+    "no": "float32",
+    "false": "float32",
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}
 VALID = "auto, no/fp32/float32, bf16/bfloat16, fp16/float16 (CUDA only)"
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # accelerate's names for mixed precision; fp32 training is "no" mixed precision.
@@ -81,9 +90,11 @@ def resolve(value, where: str, device=None) -> str:
 
 @functools.cache  # once per setting and process, not once per call
 def _warn_slow_bf16(where: str) -> None:
-    warnings.warn(f"{where}: bf16 requested, but this CPU ({cpu_name()}) has no native bf16 (no AVX512-BF16/AMX); "
-                  "torch falls back to slow kernels (tens of times slower than fp32); `auto` would pick fp32",
-                  stacklevel=3)
+    warnings.warn(
+        f"{where}: bf16 requested, but this CPU ({cpu_name()}) has no native bf16 (no AVX512-BF16/AMX); "
+        "torch falls back to slow kernels (tens of times slower than fp32); `auto` would pick fp32",
+        stacklevel=3,
+    )
 
 
 def torch_dtype(value, where: str = "dtype", device=None) -> torch.dtype:
@@ -125,7 +136,9 @@ def describe(hw: dict) -> str:
     return f"{hw['device_name']} ({hw['device']}, {hw['threads']} threads, {bf16})"
 
 
-DTYPE_HELP = "auto (bf16 only where the hardware runs it natively, else fp32), no/fp32/float32, bf16/bfloat16, fp16 (CUDA)"
+DTYPE_HELP = (
+    "auto (bf16 only where the hardware runs it natively, else fp32), no/fp32/float32, bf16/bfloat16, fp16 (CUDA)"
+)
 
 
 def dtype_arg(value: str) -> str:

@@ -62,8 +62,9 @@ class TimedProposer:
 
 
 def matmul_weights(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
-    return sum(m.weight.numel() for name, m in module.named_modules()
-               if isinstance(m, nn.Linear) and not name.startswith(skip))
+    return sum(
+        m.weight.numel() for name, m in module.named_modules() if isinstance(m, nn.Linear) and not name.startswith(skip)
+    )
 
 
 def draft_flops_fraction(drafter, target) -> float:
@@ -95,33 +96,55 @@ def k_for(label: str, given: list[str]) -> int:
 
 def tree_for(label: str, module, given: list[str]) -> str | None:
     """The tree a drafter is benchmarked with: LABEL=SPEC, else a plain SPEC, else its family's default."""
-    own = [g.split("=", 1)[1] for g in given if g.split("=", 1)[0] == label and not g.startswith(("static:", "dynamic"))]
+    own = [
+        g.split("=", 1)[1] for g in given if g.split("=", 1)[0] == label and not g.startswith(("static:", "dynamic"))
+    ]
     plain = [g for g in given if g.startswith(("static:", "dynamic"))]
     return (own or plain or [module.DEFAULT_TREE])[0]
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--drafter", action="append", metavar="LABEL=DIR",
-                   help="a trained drafter, repeatable (default: the eagle and eagle3 CPU recipes' outputs)")
+    p.add_argument(
+        "--drafter",
+        action="append",
+        metavar="LABEL=DIR",
+        help="a trained drafter, repeatable (default: the eagle and eagle3 CPU recipes' outputs)",
+    )
     p.add_argument("--data", default="builtin:code-holdout")
-    p.add_argument("--k", action="append", default=[], metavar="[LABEL=]K",
-                   help="chain length for every drafter (default 5), or LABEL=K for one (a block drafter drafts "
-                        "at most its block: DFlash B-1, P-EAGLE its depths)")
-    p.add_argument("--tree", action="append", default=[], metavar="[LABEL=]SPEC",
-                   help="draft tree for every drafter, or LABEL=SPEC for one (Medusa needs a static tree); "
-                        "default dynamic:depth=3,top_k=3,tokens=8, and for Medusa heads "
-                        "static:recipes/trees/medusa-4heads.json")
+    p.add_argument(
+        "--k",
+        action="append",
+        default=[],
+        metavar="[LABEL=]K",
+        help="chain length for every drafter (default 5), or LABEL=K for one (a block drafter drafts "
+        "at most its block: DFlash B-1, P-EAGLE its depths)",
+    )
+    p.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="[LABEL=]SPEC",
+        help="draft tree for every drafter, or LABEL=SPEC for one (Medusa needs a static tree); "
+        "default dynamic:depth=3,top_k=3,tokens=8, and for Medusa heads "
+        "static:recipes/trees/medusa-4heads.json",
+    )
     p.add_argument("--temperature", type=float, default=0.7, help="sampled rows; 0 skips them")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="auto", type=dtype_arg,
-                   help="target and drafter precision, the same for target-only and speculative decoding: " + DTYPE_HELP)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        type=dtype_arg,
+        help="target and drafter precision, the same for target-only and speculative decoding: " + DTYPE_HELP,
+    )
     p.add_argument("--out", default="", help="also write the results as JSON here")
     args = p.parse_args(argv)
 
-    drafters = dict(d.split("=", 1) for d in args.drafter or
-                    ["eagle=checkpoints/eagle-smollm2/final", "eagle3=checkpoints/eagle3-smollm2/final"])
+    drafters = dict(
+        d.split("=", 1)
+        for d in args.drafter or ["eagle=checkpoints/eagle-smollm2/final", "eagle3=checkpoints/eagle3-smollm2/final"]
+    )
     metas = {name: json.loads((Path(path) / "config.json").read_text()) for name, path in drafters.items()}
     target_name = next(iter(metas.values()))["target"]
     target, tok = load_target(target_name, args.dtype)
@@ -137,6 +160,7 @@ def main(argv=None) -> None:
         if temperature not in baselines:
             baselines[temperature] = target_baseline(target, tok, args.data, **common, temperature=temperature)
         return baselines[temperature]
+
     for name, meta in metas.items():
         # A family that trained the backbone (Medusa-2) gets its own copy of the target (its adapters
         # go into it) and is verified by that backbone, merged.
@@ -153,8 +177,17 @@ def main(argv=None) -> None:
         greedy_chain_seconds = None
         for run in runs:
             before = (timed.seconds, timed.rounds, timed.steps)
-            r = evaluate(timed, name, verifier, tok, args.data, None, **common, **run,
-                         baseline=baseline(verifier, run.get("temperature", 0.0)))
+            r = evaluate(
+                timed,
+                name,
+                verifier,
+                tok,
+                args.data,
+                None,
+                **common,
+                **run,
+                baseline=baseline(verifier, run.get("temperature", 0.0)),
+            )
             r["draft_ms_per_round"] = round(1e3 * (timed.seconds - before[0]) / max(timed.rounds - before[1], 1), 2)
             reports.append(r)
             if greedy_chain_seconds is None:
@@ -165,44 +198,70 @@ def main(argv=None) -> None:
             "draft_vocab": draft_vocab_size(heads, target),
             "draft_ms_per_chain_step": round(1e3 * greedy_chain_seconds, 2),
             "draft_flops_fraction": round(draft_flops_fraction(heads, target), 4),
-            "train_seconds": meta.get("train_seconds"), "train_steps": meta.get("steps"),
+            "train_seconds": meta.get("train_seconds"),
+            "train_steps": meta.get("steps"),
             "train_peak_rss_gb": meta.get("peak_rss_gb"),
         }
+
         def answered():  # the verifier's greedy answers to the holdout prompts, for the family's own figures
             eos = eos_ids(verifier, tok)
-            return [(len(ids), ids + target_decode(verifier, ids, args.max_new_tokens, eos))
-                    for ids in (encode_prompt(tok, p) for p in load_prompts(args.data, args.num_prompts))]
+            return [
+                (len(ids), ids + target_decode(verifier, ids, args.max_new_tokens, eos))
+                for ids in (encode_prompt(tok, p) for p in load_prompts(args.data, args.num_prompts))
+            ]
+
         extra = module.held_out_metrics(drafter, verifier, answered)  # e.g. Medusa's per-head top-1
         if extra:
             costs[name].update(extra)
             print(f"{name}: {extra}")
         if verifier is not own:
             with module.original(drafter, own) as original:
-                costs[name]["drift"] = backbone_drift(original, verifier, tok, args.data, module.make_proposer(
-                    drafter, verifier, dcfg), k=k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
+                costs[name]["drift"] = backbone_drift(
+                    original,
+                    verifier,
+                    tok,
+                    args.data,
+                    module.make_proposer(drafter, verifier, dcfg),
+                    k=k,
+                    num_prompts=args.num_prompts,
+                    max_new_tokens=args.max_new_tokens,
+                )
             print(f"{name}: backbone drift {costs[name]['drift']}")
 
     print(format_table(reports))
-    print(f"\n{reports[0]['dtype']}: | drafter | draft | T | τ | draft ms/round | lossless (mismatching prompts, max logit gap) "
-          "| speedup |\n|---|---|---|---|---|---|---|")
+    print(
+        f"\n{reports[0]['dtype']}: | drafter | draft | T | τ | draft ms/round | lossless (mismatching prompts, max logit gap) "
+        "| speedup |\n|---|---|---|---|---|---|---|"
+    )
     for r in reports:
         shape = f"tree {r['tree']}" if r["tree"] else f"chain K={r['k']}"
-        exact = "sampled" if r["lossless"] is None else (
-            f"{r['lossless']} ({r['lossless_mismatches']}, {max(r['mismatch_logit_gaps'], default=0):.3f})")
-        print(f"| {r['drafter']} | {shape} | {r['temperature']} | {r['tau']:.2f} | {r['draft_ms_per_round']} | "
-              f"{exact} | {r['speedup']:.2f}x |")
+        exact = (
+            "sampled"
+            if r["lossless"] is None
+            else (f"{r['lossless']} ({r['lossless_mismatches']}, {max(r['mismatch_logit_gaps'], default=0):.3f})")
+        )
+        print(
+            f"| {r['drafter']} | {shape} | {r['temperature']} | {r['tau']:.2f} | {r['draft_ms_per_round']} | "
+            f"{exact} | {r['speedup']:.2f}x |"
+        )
     target_ms = 1e3 / reports[0]["target_tokens_per_s"]
     print(f"\ntarget-only decoding: {target_ms:.1f} ms per token (one forward with a KV cache)")
-    print("| drafter | params | draft vocab | draft ms/step | vs target forward | draft FLOPs/token vs target | "
-          "train s (steps) | train peak RSS GB |\n|---|---|---|---|---|---|---|---|")
+    print(
+        "| drafter | params | draft vocab | draft ms/step | vs target forward | draft FLOPs/token vs target | "
+        "train s (steps) | train peak RSS GB |\n|---|---|---|---|---|---|---|---|"
+    )
     for name, c in costs.items():
-        print(f"| {name} | {c['params'] / 1e6:.2f}M | {c['draft_vocab']} / {target.config.vocab_size} | "
-              f"{c['draft_ms_per_chain_step']} | {c['draft_ms_per_chain_step'] / target_ms:.2f} | "
-              f"{c['draft_flops_fraction']:.3f} | {c['train_seconds']} ({c['train_steps']}) | {c['train_peak_rss_gb']} |")
+        print(
+            f"| {name} | {c['params'] / 1e6:.2f}M | {c['draft_vocab']} / {target.config.vocab_size} | "
+            f"{c['draft_ms_per_chain_step']} | {c['draft_ms_per_chain_step'] / target_ms:.2f} | "
+            f"{c['draft_flops_fraction']:.3f} | {c['train_seconds']} ({c['train_steps']}) | {c['train_peak_rss_gb']} |"
+        )
     eval_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"peak RSS of this eval process: {eval_rss:.2f} GB")
     if args.out:
-        Path(args.out).write_text(json.dumps({"reports": reports, "costs": costs, "eval_peak_rss_gb": eval_rss}, indent=2))
+        Path(args.out).write_text(
+            json.dumps({"reports": reports, "costs": costs, "eval_peak_rss_gb": eval_rss}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -44,18 +44,50 @@ from draftsmith.util import precision
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[2]
 # A tiny Llama (random weights, built from its config: no files) and the 135M embedded target.
-TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=True)
+TINY = dict(
+    vocab_size=2048,
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
 TINY_RUN = ["optim.batch_size=4", "data.max_length=256", "data.offline_features=", "target_dtype=auto"]
 CASES = {  # name -> (recipe, overrides); target "tiny" means the TINY config above
-    "tiny-eagle3": (None, ["target=tiny", "drafter.type=eagle3", "drafter.aux_layers=[0,1,2]",
-                           "drafter.draft_vocab_size=512", "drafter.ttt_steps=3", *TINY_RUN]),
-    "tiny-medusa2": (None, ["target=tiny", "drafter.type=medusa", "drafter.num_heads=3", "drafter.backbone=lora",
-                            "drafter.backbone_lr=1e-4", "drafter.lora_rank=8", "eval.k=3", *TINY_RUN]),
+    "tiny-eagle3": (
+        None,
+        [
+            "target=tiny",
+            "drafter.type=eagle3",
+            "drafter.aux_layers=[0,1,2]",
+            "drafter.draft_vocab_size=512",
+            "drafter.ttt_steps=3",
+            *TINY_RUN,
+        ],
+    ),
+    "tiny-medusa2": (
+        None,
+        [
+            "target=tiny",
+            "drafter.type=medusa",
+            "drafter.num_heads=3",
+            "drafter.backbone=lora",
+            "drafter.backbone_lr=1e-4",
+            "drafter.lora_rank=8",
+            "eval.k=3",
+            *TINY_RUN,
+        ],
+    ),
     "tiny-distill": (None, ["target=tiny", "drafter.type=distill", "drafter.num_layers=2", *TINY_RUN]),
     # The CPU recipes as they train (regeneration off: the batch is random tokens anyway).
-    **{f"smollm2-{recipe.removesuffix('-smollm2')}": (f"recipes/cpu/{recipe}.yaml", ["data.offline_features=", "data.regenerate=false"])
-       for recipe in ("eagle3-smollm2", "medusa1-smollm2", "distill-smollm2")},
+    **{
+        f"smollm2-{recipe.removesuffix('-smollm2')}": (
+            f"recipes/cpu/{recipe}.yaml",
+            ["data.offline_features=", "data.regenerate=false"],
+        )
+        for recipe in ("eagle3-smollm2", "medusa1-smollm2", "distill-smollm2")
+    },
 }
 
 
@@ -78,21 +110,27 @@ def full_batch(cfg: Config, vocab: int) -> dict:
     """optim.batch_size rows of exactly data.max_length random tokens, every position in the loss."""
     g = torch.Generator().manual_seed(0)
     shape = (cfg.optim.batch_size, cfg.data.max_length)
-    return {"input_ids": torch.randint(0, vocab, shape, generator=g), "loss_mask": torch.ones(shape, dtype=torch.long),
-            "attention_mask": torch.ones(shape, dtype=torch.long), "idx": torch.arange(shape[0])}
+    return {
+        "input_ids": torch.randint(0, vocab, shape, generator=g),
+        "loss_mask": torch.ones(shape, dtype=torch.long),
+        "attention_mask": torch.ones(shape, dtype=torch.long),
+        "idx": torch.arange(shape[0]),
+    }
 
 
 def measure(cfg: Config) -> dict:
     module, dcfg, target, drafter, optimizer, batch = build(cfg)
     names = module.feature_names(dcfg, target.config)
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
-    autocast = torch.autocast("cpu", dtype=precision.TORCH[cfg.optim.mixed_precision],
-                              enabled=cfg.optim.mixed_precision != "float32")
+    autocast = torch.autocast(
+        "cpu", dtype=precision.TORCH[cfg.optim.mixed_precision], enabled=cfg.optim.mixed_precision != "float32"
+    )
 
     def step(n: int):  # the loop's micro-step and optimizer step, one process, no accumulation
         with autocast:
-            loss_sum, n_tok, _ = module.compute_loss(drafter, target, batch, target_features(target, batch, names)
-                                                     if names else {}, dcfg, step=n)
+            loss_sum, n_tok, _ = module.compute_loss(
+                drafter, target, batch, target_features(target, batch, names) if names else {}, dcfg, step=n
+            )
         (loss_sum / n_tok.clamp(min=1)).backward()
         torch.nn.utils.clip_grad_norm_(trainable, cfg.optim.clip_grad or float("inf"))
         optimizer.step()
@@ -106,11 +144,13 @@ def measure(cfg: Config) -> dict:
     live = np.asarray(by_category).sum(axis=1)
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     target_ids = {id(p) for p in target.parameters()}
-    measured = {"target weights": nbytes(target.parameters()),
-                "drafter weights": nbytes(p for p in drafter.parameters() if id(p) not in target_ids),
-                "optimizer": nbytes(v for st in optimizer.state.values() for k, v in st.items() if k != "step"),
-                "batch": nbytes(batch.values()),
-                "step peak": int(live.max() - live[0])}
+    measured = {
+        "target weights": nbytes(target.parameters()),
+        "drafter weights": nbytes(p for p in drafter.parameters() if id(p) not in target_ids),
+        "optimizer": nbytes(v for st in optimizer.state.values() for k, v in st.items() if k != "step"),
+        "batch": nbytes(batch.values()),
+        "step peak": int(live.max() - live[0]),
+    }
     measured["total"] = sum(measured.values())
     planned = per_rank(sizes(cfg, target.config), "single-gpu", 1, target_bytes(cfg))
     planned["step peak"] = planned["activations"] + planned["gradients"]
@@ -136,11 +176,18 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"case": name, "dtype": cfg.optim.mixed_precision, **r})
         for part in ("target weights", "drafter weights", "optimizer", "step peak", "total"):
             p, m = r["planned"][part], r["measured"][part]
-            print(f"| {name} | {cfg.optim.batch_size} x {cfg.data.max_length} | {part} | {p / MiB:.2f} | {m / MiB:.2f} "
-                  f"| {m / p:.2f} |" if p else f"| {name} | | {part} | 0 | {m / MiB:.2f} | - |", flush=True)
+            print(
+                f"| {name} | {cfg.optim.batch_size} x {cfg.data.max_length} | {part} | {p / MiB:.2f} | {m / MiB:.2f} "
+                f"| {m / p:.2f} |"
+                if p
+                else f"| {name} | | {part} | 0 | {m / MiB:.2f} | - |",
+                flush=True,
+            )
     # ru_maxrss is KiB on Linux; one figure for the whole process, all cases.
-    print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB "
-          "(allocator caching, Python, tokenizer included)")
+    print(
+        f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB "
+        "(allocator caching, Python, tokenizer included)"
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "memory.json").write_text(json.dumps(rows, indent=1))

@@ -62,8 +62,15 @@ def measure(target_name: str, dtype: str, holdout: str, prompts: int, max_new: i
             ref = target_decode(target, prompt, max_new, set())  # no EOS: every prompt scores max_new tokens
             s, f, g = flips(target, prompt, ref, k)
             scored, flipped, gaps = scored + s, flipped + f, gaps + g
-    return {"dtype": dtype, "k": k, "scored": scored, "flips": flipped, "per_1000": round(1000 * flipped / max(scored, 1), 2),
-            "max_gap": max(gaps, default=0.0), "gaps": gaps}
+    return {
+        "dtype": dtype,
+        "k": k,
+        "scored": scored,
+        "flips": flipped,
+        "per_1000": round(1000 * flipped / max(scored, 1), 2),
+        "max_gap": max(gaps, default=0.0),
+        "gaps": gaps,
+    }
 
 
 def main(argv=None) -> None:
@@ -75,12 +82,16 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=3, help="draft tokens per verification pass (K+1 rows)")
     args = p.parse_args(argv)
-    print(f"machine: {precision.describe(precision.hardware('cpu'))}; target {args.target}, {args.prompts} prompts of "
-          f"{args.data} x {args.max_new_tokens} tokens, verification passes of {args.k + 1} rows")
+    print(
+        f"machine: {precision.describe(precision.hardware('cpu'))}; target {args.target}, {args.prompts} prompts of "
+        f"{args.data} x {args.max_new_tokens} tokens, verification passes of {args.k + 1} rows"
+    )
     print("| dtype | tokens scored | flips | per 1,000 tokens | largest logit gap at a flip |")
     print("|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
-        r = measure(args.target, precision.check(dtype, "--dtypes"), args.data, args.prompts, args.max_new_tokens, args.k)
+        r = measure(
+            args.target, precision.check(dtype, "--dtypes"), args.data, args.prompts, args.max_new_tokens, args.k
+        )
         print(f"| {r['dtype']} | {r['scored']} | {r['flips']} | {r['per_1000']} | {r['max_gap']} |", flush=True)
         if r["gaps"]:
             print(f"  gaps: {r['gaps']}")

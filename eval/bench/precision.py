@@ -59,17 +59,25 @@ def train_step_s(target, dtype: torch.dtype, batch: int = 4, length: int = 128) 
     """One EAGLE-3 step (3 fused layers, 8192-token draft vocab, 3 TTT steps) under autocast, as the
     loop runs it with mixed precision; the target's features are given (offline cache)."""
     layers = target.config.num_hidden_layers
-    cfg = eagle3.DrafterConfig(draft_vocab_size=min(8192, target.config.vocab_size), ttt_steps=3,
-                               aux_layers=None if layers >= 6 else [0, layers // 2, layers - 1])
+    cfg = eagle3.DrafterConfig(
+        draft_vocab_size=min(8192, target.config.vocab_size),
+        ttt_steps=3,
+        aux_layers=None if layers >= 6 else [0, layers // 2, layers - 1],
+    )
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (batch, length), generator=g)
     rows = [{"input_ids": r.tolist(), "loss_mask": [0] * 32 + [1] * (length - 32)} for r in ids]
-    drafter = eagle3.build(cfg, target, {"input_ids": [r["input_ids"] for r in rows],
-                                         "loss_mask": [r["loss_mask"] for r in rows]})
+    drafter = eagle3.build(
+        cfg, target, {"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows]}
+    )
     h = target.config.hidden_size
     names = eagle3.feature_names(cfg, target.config)
     feats = {n: torch.randn(batch, length, h, generator=g).to(next(target.parameters()).dtype) for n in names}
-    b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.tensor([r["loss_mask"] for r in rows])}
+    b = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.tensor([r["loss_mask"] for r in rows]),
+    }
 
     def step():
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
@@ -90,10 +98,12 @@ def main(argv=None) -> None:
     for name in ("float32", "bfloat16"):
         dtype = precision.TORCH[name]
         target, _ = load_target(args.target, name)
-        rows[name] = {f"matmul {args.matmul}^3": matmul_s(args.matmul, dtype),
-                      "target forward, 1 new token": forward_s(target, 1),
-                      "target forward, 16 new tokens": forward_s(target, 16),
-                      "EAGLE-3 train step (4x128)": train_step_s(target, dtype)}
+        rows[name] = {
+            f"matmul {args.matmul}^3": matmul_s(args.matmul, dtype),
+            "target forward, 1 new token": forward_s(target, 1),
+            "target forward, 16 new tokens": forward_s(target, 16),
+            "EAGLE-3 train step (4x128)": train_step_s(target, dtype),
+        }
     print("\n| measurement | fp32 ms | bf16 ms | bf16 / fp32 |\n|---|---|---|---|")
     for key in rows["float32"]:
         a, b = rows["float32"][key], rows["bfloat16"][key]

@@ -39,20 +39,37 @@ def main(argv=None) -> None:
     target, tok = load_target(meta["target"])
     ensure_pad(tok)
     module, dcfg, drafter = load_drafter(args.drafter, target)
-    common = dict(k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, target_name=meta["target"])
-    reports = [evaluate(make_baseline("none"), "none", target, tok, args.data, None, **common),
-               evaluate(make_baseline("ngram"), "ngram", target, tok, args.data, None, **common),
-               evaluate(module.make_proposer(drafter, target, dcfg), module.NAME, target, tok, args.data, None,
-                        **common, tree=args.tree)]
-    print(f"measured on {precision.describe(precision.hardware(next(target.parameters()).device))}, "
-          f"{reports[0]['dtype']}")
+    common = dict(
+        k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, target_name=meta["target"]
+    )
+    reports = [
+        evaluate(make_baseline("none"), "none", target, tok, args.data, None, **common),
+        evaluate(make_baseline("ngram"), "ngram", target, tok, args.data, None, **common),
+        evaluate(
+            module.make_proposer(drafter, target, dcfg),
+            module.NAME,
+            target,
+            tok,
+            args.data,
+            None,
+            **common,
+            tree=args.tree,
+        ),
+    ]
+    print(
+        f"measured on {precision.describe(precision.hardware(next(target.parameters()).device))}, {reports[0]['dtype']}"
+    )
     print(format_table(reports))
     base = reports[0]["spec_tokens_per_s"]
     for r in reports[1:]:
-        print(f"{r['drafter']}: tau {r['tau']:.2f}, {r['spec_tokens_per_s'] / base:.2f}x target-only tokens/s "
-              f"(same-pass ratio {r['speedup']:.2f}x), lossless={r['lossless']}")
-    print(f"drafter training: {meta.get('train_seconds')} s over {meta.get('steps')} steps "
-          f"on {meta.get('processes', 1)} process(es)")
+        print(
+            f"{r['drafter']}: tau {r['tau']:.2f}, {r['spec_tokens_per_s'] / base:.2f}x target-only tokens/s "
+            f"(same-pass ratio {r['speedup']:.2f}x), lossless={r['lossless']}"
+        )
+    print(
+        f"drafter training: {meta.get('train_seconds')} s over {meta.get('steps')} steps "
+        f"on {meta.get('processes', 1)} process(es)"
+    )
     print(f"peak RSS of this eval process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
     result = {"reports": reports, "train_seconds": meta.get("train_seconds")}
     if args.feature_cache:
@@ -60,8 +77,10 @@ def main(argv=None) -> None:
         size = sum(os.path.getsize(Path(args.feature_cache) / s["file"]) for s in index["shards"])
         per = size / index["num_tokens"] / len(index["features"])
         width = {"F32": 4, "BF16": 2, "F16": 2}[index["dtype"]]
-        print(f"feature cache: {size / 2**20:.1f} MiB for {index['num_tokens']} tokens = {per:.1f} B/token/tensor "
-              f"({width}*H = {width * index['hidden_size']}, {index['dtype']})")
+        print(
+            f"feature cache: {size / 2**20:.1f} MiB for {index['num_tokens']} tokens = {per:.1f} B/token/tensor "
+            f"({width}*H = {width * index['hidden_size']}, {index['dtype']})"
+        )
         result["feature_bytes_per_token_per_layer"] = per
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

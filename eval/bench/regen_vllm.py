@@ -32,14 +32,20 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     same_prefix = 0
     for x, y in zip(a, b):
         same_prefix += next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-    return {"identical_answers": sum(x == y for x, y in zip(a, b)), "answers": len(a),
-            "token_agreement": round(same_prefix / max(sum(map(len, a)), 1), 4)}
+    return {
+        "identical_answers": sum(x == y for x, y in zip(a, b)),
+        "answers": len(a),
+        "token_agreement": round(same_prefix / max(sum(map(len, a)), 1), 4),
+    }
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", default="recipes/cpu/eagle3-smollm2.yaml", help="its target and the features its "
-                   "drafter trains on (the in-process pass captures them, as in training)")
+    p.add_argument(
+        "--recipe",
+        default="recipes/cpu/eagle3-smollm2.yaml",
+        help="its target and the features its drafter trains on (the in-process pass captures them, as in training)",
+    )
     p.add_argument("--data", default="builtin:code")
     p.add_argument("--num-prompts", type=int, default=640)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -57,9 +63,18 @@ def main(argv=None) -> None:
     names = drafter_module(cfg.drafter["type"]).feature_names(drafter_config(cfg), target.config)
 
     t = time.perf_counter()
-    hf = regenerate(target, tok, args.data, out / "hf.jsonl", args.batch_size, args.max_new_tokens,
-                    max_examples=args.num_prompts, names=names, features_out=out / "hf-features",
-                    fingerprint=fingerprint(target))
+    hf = regenerate(
+        target,
+        tok,
+        args.data,
+        out / "hf.jsonl",
+        args.batch_size,
+        args.max_new_tokens,
+        max_examples=args.num_prompts,
+        names=names,
+        features_out=out / "hf-features",
+        fingerprint=fingerprint(target),
+    )
     hf_s = time.perf_counter() - t
 
     # started once; its start-up is not answering time. vLLM refuses a context past the target's own.
@@ -67,30 +82,57 @@ def main(argv=None) -> None:
     with vllm_server.serve(str(resolve_target(args.target)), dtype=args.dtype, max_model_len=context) as server:
         startup_s = time.perf_counter() - t - hf_s
         t = time.perf_counter()
-        regenerate_vllm(str(resolve_target(args.target)), tok, args.data, out / "vllm.jsonl", args.max_new_tokens,
-                        max_examples=args.num_prompts, concurrency=args.concurrency, server=server.url)
+        regenerate_vllm(
+            str(resolve_target(args.target)),
+            tok,
+            args.data,
+            out / "vllm.jsonl",
+            args.max_new_tokens,
+            max_examples=args.num_prompts,
+            concurrency=args.concurrency,
+            server=server.url,
+        )
         vllm_s = time.perf_counter() - t
 
     def answers(path):
         return [json.loads(l)["completion_ids"] for l in path.read_text().splitlines()]
+
     a, b = answers(hf), answers(out / "vllm.jsonl")
-    result = {"prompts": len(a), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
-              "hf": {"wall_s": round(hf_s, 1), "answers_per_s": round(len(a) / hf_s, 3),
-                     "tokens_per_s": round(sum(map(len, a)) / hf_s, 1), "batch_size": args.batch_size,
-                     "with_features": list(names)},
-              "vllm": {"wall_s": round(vllm_s, 1), "startup_s": round(startup_s, 1),
-                       "answers_per_s": round(len(b) / vllm_s, 3), "tokens_per_s": round(sum(map(len, b)) / vllm_s, 1),
-                       "concurrency": args.concurrency, "version": server.version},
-              "agreement": agreement(a, b), **hardware(next(target.parameters()).device)}
+    result = {
+        "prompts": len(a),
+        "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype,
+        "hf": {
+            "wall_s": round(hf_s, 1),
+            "answers_per_s": round(len(a) / hf_s, 3),
+            "tokens_per_s": round(sum(map(len, a)) / hf_s, 1),
+            "batch_size": args.batch_size,
+            "with_features": list(names),
+        },
+        "vllm": {
+            "wall_s": round(vllm_s, 1),
+            "startup_s": round(startup_s, 1),
+            "answers_per_s": round(len(b) / vllm_s, 3),
+            "tokens_per_s": round(sum(map(len, b)) / vllm_s, 1),
+            "concurrency": args.concurrency,
+            "version": server.version,
+        },
+        "agreement": agreement(a, b),
+        **hardware(next(target.parameters()).device),
+    }
     (out / "regen.json").write_text(json.dumps(result, indent=2))
-    print(f"| engine | answers | wall s | answers/s | tokens/s |\n|---|---|---|---|---|\n"
-          f"| in-process (batch {args.batch_size}, + features) | {len(a)} | {hf_s:.0f} | {len(a) / hf_s:.2f} | "
-          f"{result['hf']['tokens_per_s']:.0f} |\n"
-          f"| {server.version} (concurrency {args.concurrency}; start-up {startup_s:.0f} s apart) | {len(b)} | "
-          f"{vllm_s:.0f} | {len(b) / vllm_s:.2f} | {result['vllm']['tokens_per_s']:.0f} |")
+    print(
+        f"| engine | answers | wall s | answers/s | tokens/s |\n|---|---|---|---|---|\n"
+        f"| in-process (batch {args.batch_size}, + features) | {len(a)} | {hf_s:.0f} | {len(a) / hf_s:.2f} | "
+        f"{result['hf']['tokens_per_s']:.0f} |\n"
+        f"| {server.version} (concurrency {args.concurrency}; start-up {startup_s:.0f} s apart) | {len(b)} | "
+        f"{vllm_s:.0f} | {len(b) / vllm_s:.2f} | {result['vllm']['tokens_per_s']:.0f} |"
+    )
     ag = result["agreement"]
-    print(f"greedy agreement ({args.dtype}): {ag['identical_answers']}/{ag['answers']} answers identical, "
-          f"{ag['token_agreement']:.1%} of tokens before the first difference; on {result['device_name']}")
+    print(
+        f"greedy agreement ({args.dtype}): {ag['identical_answers']}/{ag['answers']} answers identical, "
+        f"{ag['token_agreement']:.1%} of tokens before the first difference; on {result['device_name']}"
+    )
 
 
 if __name__ == "__main__":

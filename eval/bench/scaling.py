@@ -39,11 +39,22 @@ SETUPS = {  # name -> launch.sh flags, given the process count
 
 def run_one(recipe: str, setup: str, procs: int, steps: int, batch: int, out: Path, extra: list[str]) -> dict:
     name = f"{setup}-{procs}proc"
-    overrides = [f"run={name}", f"output_dir={out}", f"optim.max_steps={steps}", "log_every=2", "save_every=0",
-                 "eval.enabled=false", f"optim.batch_size={batch // procs}", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // procs)),
-           # launch.sh runs `accelerate`: the one installed beside this Python, venv activated or not.
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    overrides = [
+        f"run={name}",
+        f"output_dir={out}",
+        f"optim.max_steps={steps}",
+        "log_every=2",
+        "save_every=0",
+        "eval.enabled=false",
+        f"optim.batch_size={batch // procs}",
+        *extra,
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // procs)),
+        # launch.sh runs `accelerate`: the one installed beside this Python, venv activated or not.
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     cmd = ["bash", str(ROOT / "launch.sh"), recipe, *SETUPS[setup](procs), "--main-port", "0", *overrides]
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
@@ -53,9 +64,16 @@ def run_one(recipe: str, setup: str, procs: int, steps: int, batch: int, out: Pa
     steady = logs[1:] or logs  # the first window holds the warm-up (first matmuls, DeepSpeed's first gathers)
     tok_s = statistics.median(entry["tok_per_s"] for entry in steady)
     meta = json.loads((out / name / "final" / "config.json").read_text())
-    return {"setup": setup, "processes": procs, "tokens_per_s": tok_s, "tokens_per_s_per_process": tok_s / procs,
-            "wall_s": wall, "train_s": meta["train_seconds"], "peak_rss_gb_rank0": meta["peak_rss_gb"],
-            "final_loss": logs[-1]["loss"]}
+    return {
+        "setup": setup,
+        "processes": procs,
+        "tokens_per_s": tok_s,
+        "tokens_per_s_per_process": tok_s / procs,
+        "wall_s": wall,
+        "train_s": meta["train_seconds"],
+        "peak_rss_gb_rank0": meta["peak_rss_gb"],
+        "final_loss": logs[-1]["loss"],
+    }
 
 
 def main(argv=None) -> None:
@@ -75,13 +93,17 @@ def main(argv=None) -> None:
             rows.append(run_one(args.recipe, setup, procs, args.steps, args.batch_size, out, args.overrides))
     where = precision.describe(precision.hardware("cpu"))
     print(f"\n{args.recipe}, {args.steps} steps of {args.batch_size} examples, {where}")
-    print("| setup | processes | tokens/s | tokens/s per process | 2 vs 1 process (total) | wall s | peak RSS rank 0 GB |")
+    print(
+        "| setup | processes | tokens/s | tokens/s per process | 2 vs 1 process (total) | wall s | peak RSS rank 0 GB |"
+    )
     print("|---|---|---|---|---|---|---|")
     one = {r["setup"]: r["tokens_per_s"] for r in rows if r["processes"] == 1}
     for r in rows:
         ratio = f"{r['tokens_per_s'] / one[r['setup']]:.2f}x" if r["processes"] == 2 else "-"
-        print(f"| {r['setup']} | {r['processes']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_process']:.0f} | "
-              f"{ratio} | {r['wall_s']:.0f} | {r['peak_rss_gb_rank0']:.2f} |")
+        print(
+            f"| {r['setup']} | {r['processes']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_process']:.0f} | "
+            f"{ratio} | {r['wall_s']:.0f} | {r['peak_rss_gb_rank0']:.2f} |"
+        )
     (out / "scaling.json").write_text(json.dumps({"rows": rows, "args": vars(args), "hardware": where}, indent=1))
 
 

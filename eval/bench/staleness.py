@@ -37,17 +37,31 @@ from draftsmith.models.target import ensure_pad, fingerprint, load_target
 from draftsmith.util import precision
 
 
-def update_target(target, tok, data: str, out: Path, steps: int, batch_size: int, lr: float, rank: int,
-                  max_length: int = 256, seed: int = 0) -> Path:
+def update_target(
+    target,
+    tok,
+    data: str,
+    out: Path,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    rank: int,
+    max_length: int = 256,
+    seed: int = 0,
+) -> Path:
     """LoRA fine-tune of `target` (a copy) on `data`'s chat records, merged and saved to `out`."""
     import copy
 
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    model = get_peft_model(copy.deepcopy(target).train(), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
-    rows = [tokenize_example(tok, to_messages(r, f"{data}: record {n}"), max_length, data)
-            for n, r in enumerate(read_records(data))]
+    model = get_peft_model(
+        copy.deepcopy(target).train(), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")
+    )
+    rows = [
+        tokenize_example(tok, to_messages(r, f"{data}: record {n}"), max_length, data)
+        for n, r in enumerate(read_records(data))
+    ]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     for step in range(steps):
         picks = torch.randint(len(rows), (batch_size,)).tolist()
@@ -55,7 +69,9 @@ def update_target(target, tok, data: str, out: Path, steps: int, batch_size: int
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
         # Token t+1 is predicted at position t; only assistant tokens carry loss.
         mask = batch["loss_mask"][:, 1:].float()
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2).float(), batch["input_ids"][:, 1:], reduction="none")
+        nll = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2).float(), batch["input_ids"][:, 1:], reduction="none"
+        )
         loss = (nll * mask).sum() / mask.sum().clamp(min=1)
         loss.backward()
         optimizer.step()
@@ -73,7 +89,9 @@ def update_target(target, tok, data: str, out: Path, steps: int, batch_size: int
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", default="checkpoints/eagle3-smollm2/final")
-    p.add_argument("--recipe", default="recipes/cpu/eagle3-smollm2.yaml", help="the drafter's recipe, rerun for the refresh")
+    p.add_argument(
+        "--recipe", default="recipes/cpu/eagle3-smollm2.yaml", help="the drafter's recipe, rerun for the refresh"
+    )
     p.add_argument("--data", default="builtin:code-holdout")
     p.add_argument("--tree", default="dynamic:depth=3,top_k=3,tokens=8")
     p.add_argument("--num-prompts", type=int, default=12)
@@ -95,43 +113,106 @@ def main(argv=None) -> None:
     updated_dir = out / "updated-target"
     t0 = time.perf_counter()
     if not updated_dir.is_dir():
-        update_target(target, tok, args.update_data, updated_dir, args.update_steps, 8, args.update_lr, args.update_rank)
+        update_target(
+            target, tok, args.update_data, updated_dir, args.update_steps, 8, args.update_lr, args.update_rank
+        )
     update_s = time.perf_counter() - t0
     updated, _ = load_target(str(updated_dir), "auto")
     common = dict(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, tree=args.tree)
 
     module, dcfg, drafter = load_drafter(args.drafter, target)
-    rows = [("original target", evaluate(module.make_proposer(drafter, target, dcfg), "original target", target, tok,
-                                         args.data, None, target_name=meta["target"], **common))]
+    rows = [
+        (
+            "original target",
+            evaluate(
+                module.make_proposer(drafter, target, dcfg),
+                "original target",
+                target,
+                tok,
+                args.data,
+                None,
+                target_name=meta["target"],
+                **common,
+            ),
+        )
+    ]
     drift = backbone_drift(target, updated, tok, args.data, module.make_proposer(drafter, target, dcfg), **common)
     stale = {"trained_for": meta["target_fingerprint"], "evaluated_on": fingerprint(updated)}
     module, dcfg, drafter = load_drafter(args.drafter, updated, allow_stale=True)
-    rows.append(("updated target, stale drafter", evaluate(module.make_proposer(drafter, updated, dcfg), "stale",
-                                                           updated, tok, args.data, None, target_name=str(updated_dir),
-                                                           stale=stale, **common)))
+    rows.append(
+        (
+            "updated target, stale drafter",
+            evaluate(
+                module.make_proposer(drafter, updated, dcfg),
+                "stale",
+                updated,
+                tok,
+                args.data,
+                None,
+                target_name=str(updated_dir),
+                stale=stale,
+                **common,
+            ),
+        )
+    )
 
     # The refresh is the command a user would run (a subprocess: benchmarks sit below the trainer).
     run_dir = out / f"refresh-{int(time.time())}"
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "draftsmith.cli", "train", args.recipe, f"target={updated_dir}",
-                    f"init_from={args.drafter}", "init_from_stale=true", f"run={run_dir.name}", f"output_dir={out}",
-                    f"data.max_examples={args.refresh_examples}", f"optim.epochs={args.refresh_epochs}",
-                    "eval.enabled=false"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "draftsmith.cli",
+            "train",
+            args.recipe,
+            f"target={updated_dir}",
+            f"init_from={args.drafter}",
+            "init_from_stale=true",
+            f"run={run_dir.name}",
+            f"output_dir={out}",
+            f"data.max_examples={args.refresh_examples}",
+            f"optim.epochs={args.refresh_epochs}",
+            "eval.enabled=false",
+        ],
+        check=True,
+    )
     refresh_s = time.perf_counter() - t0
     module, dcfg, drafter = load_drafter(run_dir / "final", updated)
-    rows.append(("updated target, refreshed drafter", evaluate(module.make_proposer(drafter, updated, dcfg), "refreshed",
-                                                               updated, tok, args.data, None, target_name=str(updated_dir),
-                                                               **common)))
+    rows.append(
+        (
+            "updated target, refreshed drafter",
+            evaluate(
+                module.make_proposer(drafter, updated, dcfg),
+                "refreshed",
+                updated,
+                tok,
+                args.data,
+                None,
+                target_name=str(updated_dir),
+                **common,
+            ),
+        )
+    )
 
     where = precision.describe(precision.hardware("cpu"))
     print(f"\nStaleness on {args.data} ({args.num_prompts} prompts, {args.tree}), {where}, {rows[0][1]['dtype']}")
-    print(f"update: LoRA r={args.update_rank} on {args.update_data}, {args.update_steps} steps ({update_s:.0f} s); "
-          f"drift: {drift['unchanged_fraction']:.0%} of prompts unchanged, token agreement {drift['token_agreement']:.1%}")
-    print(f"refresh: {args.refresh_examples} regenerated examples x {args.refresh_epochs} epoch(s), {refresh_s:.0f} s "
-          f"(regeneration + training)")
+    print(
+        f"update: LoRA r={args.update_rank} on {args.update_data}, {args.update_steps} steps ({update_s:.0f} s); "
+        f"drift: {drift['unchanged_fraction']:.0%} of prompts unchanged, token agreement {drift['token_agreement']:.1%}"
+    )
+    print(
+        f"refresh: {args.refresh_examples} regenerated examples x {args.refresh_epochs} epoch(s), {refresh_s:.0f} s "
+        f"(regeneration + training)"
+    )
     print(format_table([{**r, "drafter": label} for label, r in rows]))
-    result = {"rows": [{"setting": label, **r} for label, r in rows], "drift": drift, "update_seconds": update_s,
-              "refresh_seconds": refresh_s, "args": vars(args)}
+    result = {
+        "rows": [{"setting": label, **r} for label, r in rows],
+        "drift": drift,
+        "update_seconds": update_s,
+        "refresh_seconds": refresh_s,
+        "args": vars(args),
+    }
     (out / "staleness.json").write_text(json.dumps(result, indent=1))
 
 

@@ -31,9 +31,16 @@ def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedToken
     chars = sorted(set(string.printable))
     vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character, newlines too
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  additional_special_tokens=SPECIALS[3:])
+    tk.pre_tokenizer = pre_tokenizers.Split(
+        Regex(r"[\s\S]"), behavior="isolated"
+    )  # one token per character, newlines too
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=SPECIALS[3:],
+    )
     tok.chat_template = chat_template
     return tok
 
@@ -52,9 +59,20 @@ def write_pattern_chats(path, ids) -> str:
 
 def plain_config(vocab: int, layers: int):
     """A tied Llama of head dim 32 (the smallest vLLM's CPU attention takes)."""
-    return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                       num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
 
 
 def train_pattern_target(path, config, tok, steps: int = 160, device: str = "cpu"):
@@ -62,8 +80,9 @@ def train_pattern_target(path, config, tok, steps: int = 160, device: str = "cpu
     `tok`. Its chat turns end in <|im_end|>, which generation stops at."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(device)
-    seqs = torch.tensor([tok.apply_chat_template(pattern_chat(i), tokenize=True, return_dict=False) for i in range(130)],
-                        device=device)
+    seqs = torch.tensor(
+        [tok.apply_chat_template(pattern_chat(i), tokenize=True, return_dict=False) for i in range(130)], device=device
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(steps):
         x = seqs[torch.arange(step * 16, step * 16 + 16, device=device) % len(seqs)]
@@ -88,8 +107,13 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     tok = make_tokenizer()
     out = Path(args.out)
-    train_pattern_target(out, tiny_config(args.arch, len(tok), layers=args.layers, tie_word_embeddings=True), tok,
-                        args.steps, args.device)
+    train_pattern_target(
+        out,
+        tiny_config(args.arch, len(tok), layers=args.layers, tie_word_embeddings=True),
+        tok,
+        args.steps,
+        args.device,
+    )
     write_pattern_chats(out / "train.jsonl", range(0, 120))
     write_pattern_chats(out / "holdout.jsonl", range(200, 212))  # prompts the target was not trained on
     print(f"wrote {out}: {args.arch} at {args.layers} layers, trained {args.steps} steps on {args.device}")

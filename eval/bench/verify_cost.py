@@ -39,8 +39,13 @@ def forward_ms(target, context: torch.Tensor, n: int, reps: int = 7) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], type=dtype_arg,
-                   help="precisions to compare side by side (auto, float32/no, bf16, ...)")
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        type=dtype_arg,
+        help="precisions to compare side by side (auto, float32/no, bf16, ...)",
+    )
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
     p.add_argument("--context", type=int, default=200)
     args = p.parse_args(argv)
@@ -48,7 +53,9 @@ def main(argv=None) -> None:
     print(f"| dtype, kernels | {' | '.join(f'n={n}' for n in args.tokens)} |\n|---|{'---|' * len(args.tokens)}")
     for dtype in args.dtypes:
         target, _ = load_target(args.target, dtype)
-        context = torch.randint(0, target.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
+        context = torch.randint(
+            0, target.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0)
+        )
         for kernels in ("default", "packed"):
             with packed_linears(target, enabled=kernels == "packed") as patched:
                 if kernels == "packed" and not patched:
