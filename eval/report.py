@@ -57,7 +57,7 @@ def require_rule_exact(report: dict, where: str) -> None:
     if report.get("rule_exact") is False:
         raise DraftsmithError(
             f"{where}: greedy verification broke the rule (rule_exact false) on "
-            f"{report['drafter']}: the speculation is not lossless (report: {where}/report.md)"
+            f"{report['drafter']}: the speculation is not lossless (the report is in {where})"
         )
 
 
