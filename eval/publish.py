@@ -258,7 +258,7 @@ def _forward_words(fwd: dict | None) -> str:
 
 def checked_inputs(drafter_dir: Path, repo_id: str, fmt: str | None, force: bool, dry_run: bool):
     """Everything `publish` can refuse before a model loads -> (format, the run's eval report or None,
-    the Hub token or None)."""
+    the Hub token or None, the drafter's config.json)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -298,7 +298,7 @@ def checked_inputs(drafter_dir: Path, repo_id: str, fmt: str | None, force: bool
         token = get_token()
         if not token:
             raise DraftsmithError("publish: not logged in to the Hugging Face Hub; run `hf auth login` or set HF_TOKEN")
-    return fmt, report, token
+    return fmt, report, token, meta
 
 
 def publish(
@@ -315,8 +315,7 @@ def publish(
     license: str = "other",
 ) -> Path:
     drafter_dir = Path(drafter_dir)
-    fmt, report, token = checked_inputs(drafter_dir, repo_id, fmt, force, dry_run)
-    meta = json.loads((drafter_dir / "config.json").read_text())
+    fmt, report, token, meta = checked_inputs(drafter_dir, repo_id, fmt, force, dry_run)
     folder = Path(out or drafter_dir.parent / f"publish-{fmt}")
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

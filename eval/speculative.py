@@ -217,9 +217,7 @@ def speculative_decode(
                 proposer.propose(ctx, feats, k, sampler) if tree is None else proposer.propose_tree(ctx, feats, tree)
             )
         prefix = len(tokens) - 1  # the target has cached every token but the newest (the root)
-        # A lone root attends to the whole prefix: no mask needed, the plain one-token decode step,
-        # which target-only decoding (this loop with no drafter) takes too.
-        mask, positions = verification_inputs(draft, prefix, device) if draft.tokens else (None, None)
+        mask, positions = verification_inputs(draft, prefix, device)
         new_feats, logits = verification_forward(
             target, tokens[-1:] + draft.tokens, cache, device, names, mask, positions
         )

@@ -14,8 +14,12 @@ from draftsmith.models.drafts import Draft
 
 def verification_inputs(draft: Draft, prefix: int, device=None):
     """Mask [1, 1, 1+n, prefix+1+n] and position ids [1, 1+n] for the target pass over
-    [root, node_0 .. node_{n-1}]; the root is the last verified token at position `prefix`."""
+    [root, node_0 .. node_{n-1}]; the root is the last verified token at position `prefix`.
+    An empty draft gives (None, None): a lone root attends to the whole prefix, so the pass is the
+    plain one-token decode step, the one target-only decoding (the engine with no drafter) takes."""
     n = len(draft.tokens)
+    if not n:
+        return None, None
     tree = torch.zeros(1 + n, 1 + n, dtype=torch.bool)
     tree[:, 0] = True  # the root (row/column 0) sees itself, and every node descends from it
     tree[1:, 1:] = draft.ancestor_rows(range(n), range(n))

@@ -50,7 +50,7 @@ def test_the_target_only_baseline_is_identical_to_its_reference(dtype, tiny_targ
     assert f"| yes (identical 4/4, {dtype}) |" in capsys.readouterr().out
 
 
-def test_target_decode_is_the_engine_without_a_drafter(tiny_target):
+def test_target_decode_is_the_engine_without_a_drafter(tiny_target, monkeypatch):
     """One computation: the reference decode is the speculative engine with no drafts, pass for pass."""
     from draftsmith.eval import speculative
 
@@ -62,13 +62,10 @@ def test_target_decode_is_the_engine_without_a_drafter(tiny_target):
         calls.append((len(ids), None if mask is None else tuple(mask.shape)))
         return real(target, ids, cache, device, names, mask, positions)
 
-    speculative.verification_forward = spy
-    try:
-        out = speculative.target_decode(target, [5, 6, 7], 6, set())
-        ref_calls, calls[:] = list(calls), []
-        assert speculative.speculative_decode(target, None, [5, 6, 7], 0, 6, set()) == out
-    finally:
-        speculative.verification_forward = real
+    monkeypatch.setattr(speculative, "verification_forward", spy)
+    out = speculative.target_decode(target, [5, 6, 7], 6, set())
+    ref_calls, calls[:] = list(calls), []
+    assert speculative.speculative_decode(target, None, [5, 6, 7], 0, 6, set()) == out
     assert calls == ref_calls and ref_calls == [(3, None)] + [(1, None)] * 5  # the prefill, then one-token steps
 
 
