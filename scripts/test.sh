@@ -15,6 +15,9 @@ phase() {  # phase NAME CMD...: run CMD, print how long it took, return its stat
   return "$rc"
 }
 phase "set-up" bash scripts/setup.sh --vllm
+# Each module not yet compiled is compiled once, by the first process that imports it, and cached in
+# the venv, instead of again in every process (setup.sh: nothing is compiled at install).
+unset PYTHONDONTWRITEBYTECODE
 # Lint and format first (a second): pyflakes' undefined and unused names, import order, and the tree
 # as `ruff format` writes it (pyproject.toml [tool.ruff]; `.venv/bin/ruff format .` fixes the latter).
 phase "lint" bash -c ".venv/bin/ruff check . && .venv/bin/ruff format --check ." || exit 1
