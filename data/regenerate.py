@@ -25,17 +25,12 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from draftsmith.data.features import ShardWriter, target_features
+from draftsmith.data.features import ShardWriter
 from draftsmith.data.load import encode_prompt, load_prompts, require_chat_template
 from draftsmith.data.sharding import Shard
+from draftsmith.target.features import target_features
+from draftsmith.target.load import eos_ids
 from draftsmith.util.kernels import packed_linears
-
-
-def eos_ids(target, tok) -> set[int]:
-    ids = {tok.eos_token_id}
-    gen = getattr(target.generation_config, "eos_token_id", None)
-    ids |= set(gen) if isinstance(gen, (list, tuple)) else {gen}
-    return {i for i in ids if isinstance(i, int)}
 
 
 @torch.no_grad()
@@ -244,7 +239,7 @@ def regenerate_vllm(
     like `regenerate`: each answer is appended to OUT.partial as it arrives; a rerun skips those.
     Sampled answers take seed + id, so a resumed run asks each prompt exactly what it would have.
     `extra` passes to `vllm serve` unchanged (e.g. --tensor-parallel-size 8 --data-parallel-size 2)."""
-    from draftsmith.data import vllm_server
+    from draftsmith.target import vllm_server
     from draftsmith.util.precision import torch_dtype
 
     prompts = _prompts(tok, data, max_examples, split, malformed)

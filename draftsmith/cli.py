@@ -121,16 +121,16 @@ def checked_out(out: Path, force: bool) -> Path:
 
 def cmd_eval(args) -> None:
     from draftsmith.data.load import load_prompts
-    from draftsmith.eval.batched import parse_batch_sizes
+    from draftsmith.engine.batched import parse_batch_sizes
     from draftsmith.eval.compare import load_proposer, parse_drafter, trained_folders
     from draftsmith.eval.report import format_table, require_rule_exact
     from draftsmith.eval.run import evaluate, evaluate_drafter
-    from draftsmith.models.common import read_drafter_meta
+    from draftsmith.models.folder import read_drafter_meta
     from draftsmith.models.registry import load_drafter
-    from draftsmith.models.target import ensure_pad, fingerprint, load_target
+    from draftsmith.target.load import fingerprint, load_target
 
     if args.tree:
-        from draftsmith.models.drafts import parse_tree
+        from draftsmith.engine.drafts import parse_tree
 
         parse_tree(args.tree)  # a bad spec fails before any model loads
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.k < 1:
@@ -152,7 +152,6 @@ def cmd_eval(args) -> None:
     load_prompts(args.data, args.num_prompts)  # a bad holdout fails before any model loads
     target_name = args.target or (metas[0]["target"] if metas else None)
     target, tok = load_target(target_name or "smollm2-135m", args.dtype)
-    ensure_pad(tok)
     common = dict(
         k=args.k,
         num_prompts=args.num_prompts,
@@ -178,11 +177,11 @@ def cmd_eval(args) -> None:
 
 def cmd_compare(args) -> None:
     from draftsmith.data.load import load_prompts
-    from draftsmith.eval.batched import parse_batch_sizes
+    from draftsmith.engine.batched import parse_batch_sizes
     from draftsmith.eval.compare import compare, compare_table, trained_folders
     from draftsmith.eval.report import require_rule_exact
-    from draftsmith.models.common import read_drafter_meta
-    from draftsmith.models.target import ensure_pad, load_target
+    from draftsmith.models.folder import read_drafter_meta
+    from draftsmith.target.load import load_target
 
     batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None
     metas = [read_drafter_meta(Path(p)) for d in args.drafter for p in trained_folders(d)]  # bad folders fail early
@@ -190,7 +189,6 @@ def cmd_compare(args) -> None:
         load_prompts(data, args.num_prompts)
     target_name = args.target or (metas[0]["target"] if metas else "smollm2-135m")
     target, tok = load_target(target_name, args.dtype)
-    ensure_pad(tok)
     reports = compare(
         args.drafter,
         args.data,
@@ -214,12 +212,11 @@ def cmd_compare(args) -> None:
 
 def cmd_layerskip(args) -> None:
     from draftsmith.data.load import load_prompts
-    from draftsmith.eval import selfspec
-    from draftsmith.models.target import ensure_pad, load_target
+    from draftsmith.engine import selfspec
+    from draftsmith.target.load import load_target
 
     load_prompts(args.data, args.num_prompts)  # a bad holdout fails before any model loads
     target, tok = load_target(args.target, args.dtype)
-    ensure_pad(tok)
     choice = selfspec.calibrate(target, tok, args.data, args.k, args.num_prompts, args.max_new_tokens, args.budget)
     out = selfspec.save(choice, target, args.target, Path(args.out))
     print(
@@ -232,20 +229,19 @@ def cmd_export(args) -> None:
     import copy
 
     from draftsmith.data.load import load_prompts
-    from draftsmith.models.common import read_drafter_meta
-    from draftsmith.models.export import export
-    from draftsmith.models.target import ensure_pad, load_target
+    from draftsmith.models.folder import read_drafter_meta
+    from draftsmith.ship.export import export
+    from draftsmith.target.load import load_target
 
     meta = read_drafter_meta(Path(args.drafter))
     if args.verify:
         load_prompts(args.data, 1)  # a bad holdout fails before any model loads
     target, tok = load_target(args.target or meta["target"], args.dtype)
-    ensure_pad(tok)
     source = copy.deepcopy(target) if args.verify else target  # a Medusa-2 load adapts the target it is given
     out = export(args.drafter, source, args.format, args.out, tok)
     print(f"wrote {out} ({args.format} format)")
     if args.verify:
-        from draftsmith.eval.publish import speculators_line, verify_export
+        from draftsmith.ship.publish import speculators_line, verify_export
 
         parity = verify_export(Path(args.drafter), out, target, tok, args.data)
         print(
@@ -256,8 +252,8 @@ def cmd_export(args) -> None:
         )
         if not parity["passed"]:
             raise DraftsmithError(f"{out}: the export does not draft like the drafter it came from")
-        from draftsmith.data import vllm_server
-        from draftsmith.eval.serve_check import serve_check, summary
+        from draftsmith.ship.serve_check import serve_check, summary
+        from draftsmith.target import vllm_server
 
         if not vllm_server.available():
             print(f"vLLM not found, so it did not serve the export ({vllm_server.INSTALL_HINT})")
@@ -277,14 +273,13 @@ def cmd_export(args) -> None:
 
 
 def cmd_publish(args) -> None:
-    from draftsmith.eval.publish import checked_inputs, publish
-    from draftsmith.models.common import read_drafter_meta
-    from draftsmith.models.target import ensure_pad, load_target
+    from draftsmith.models.folder import read_drafter_meta
+    from draftsmith.ship.publish import checked_inputs, publish
+    from draftsmith.target.load import load_target
 
     meta = read_drafter_meta(Path(args.drafter))
     checked_inputs(Path(args.drafter), args.repo_id, args.format, args.force, args.dry_run)  # before any model loads
     target, tok = load_target(args.target or meta["target"])
-    ensure_pad(tok)
     out = publish(
         args.drafter,
         args.repo_id,
@@ -311,8 +306,8 @@ there is no CUDA), or point --vllm-python / DRAFTSMITH_VLLM_PYTHON at a Python t
 
 
 def cmd_serve_check(args) -> None:
-    from draftsmith.eval.batched import parse_batch_sizes
-    from draftsmith.eval.serve_check import markdown, serve_check
+    from draftsmith.engine.batched import parse_batch_sizes
+    from draftsmith.ship.serve_check import markdown, serve_check
 
     levels = parse_batch_sizes(args.concurrency, "--concurrency")
     r = serve_check(
@@ -343,14 +338,14 @@ def cmd_serve_check(args) -> None:
 def cmd_regenerate(args) -> None:
     from draftsmith.data.load import load_prompts
     from draftsmith.data.regenerate import regenerate
-    from draftsmith.models.target import ensure_pad, load_target
+    from draftsmith.target.load import ensure_pad, load_target
 
     load_prompts(args.data, 1)  # bad prompts fail before any model loads or server starts
     if args.engine == "vllm":
         from transformers import AutoTokenizer
 
         from draftsmith.data.regenerate import regenerate_vllm
-        from draftsmith.models.target import resolve_target
+        from draftsmith.target.load import resolve_target
 
         where = str(resolve_target(args.target))
         tok = ensure_pad(AutoTokenizer.from_pretrained(where))
@@ -372,7 +367,6 @@ def cmd_regenerate(args) -> None:
         print(f"wrote {out}")
         return
     target, tok = load_target(args.target, args.dtype)
-    ensure_pad(tok)
     out = regenerate(
         target,
         tok,
@@ -390,12 +384,11 @@ def cmd_features(args) -> None:
     from draftsmith.data.batching import build_dataset
     from draftsmith.data.features import write_cache
     from draftsmith.models.registry import drafter_module
-    from draftsmith.models.target import ensure_pad, fingerprint, load_target
+    from draftsmith.target.load import fingerprint, load_target
     from draftsmith.train.config import load_config
 
     cfg = load_config(args.recipe, args.overrides)
     target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir)
-    ensure_pad(tok)
     ds = build_dataset(
         cfg.data.train,
         tok,
@@ -439,7 +432,7 @@ def cmd_inspect(args) -> None:
     from transformers import AutoTokenizer
 
     from draftsmith.data.load import encode_record, located_records
-    from draftsmith.models.target import resolve_target
+    from draftsmith.target.load import resolve_target
     from draftsmith.train.config import load_config
 
     cfg = load_config(args.recipe, args.overrides)

@@ -1,1 +1,1 @@
-"""Eval stage: speculative decoding engines, acceptance metrics, reports; eval/bench/ benchmarks."""
+"""Eval stage: speculative decoding engines, acceptance metrics, reports; benchmarks/ benchmarks."""

@@ -14,12 +14,12 @@ import shutil
 from pathlib import Path
 
 from draftsmith import DraftsmithError
-from draftsmith.eval import selfspec
-from draftsmith.eval.cascade import build_cascade, parse_cascade
-from draftsmith.eval.lookahead import HybridProposer, LookaheadProposer
+from draftsmith.engine import selfspec
+from draftsmith.engine.cascade import build_cascade, parse_cascade
+from draftsmith.engine.lookahead import HybridProposer, LookaheadProposer
+from draftsmith.engine.proposers import NgramProposer
 from draftsmith.eval.report import LOSSLESS_NOTE, lossless_cell
 from draftsmith.eval.run import evaluate, make_baseline, target_baseline
-from draftsmith.eval.speculative import NgramProposer
 from draftsmith.models.registry import load_drafter, target_to_load_on
 
 
@@ -47,10 +47,10 @@ def trained_folders(spec: str) -> list[str]:
 def load_proposer(spec: str, target, allow_stale: bool = False) -> tuple[str, object, object, str | None]:
     """Every drafter a user can name -> (label, proposer, verifier, tree spec or None):
     - `none` (target-only), `ngram` (prompt lookup), `lookahead[:W=5,N=3,G=3]` (Jacobi window W,
-      n-gram size N, G pool n-grams per round; eval/lookahead.py);
+      n-gram size N, G pool n-grams per round; draftsmith/engine/lookahead.py);
     - `hybrid:PATH`: prompt lookup when the context repeats itself, the trained drafter at PATH otherwise;
     - `cascade:LOW,MID`: LOW (`ngram` or a student folder) drafts for MID (a distilled student or a
-      layer-skip folder), whose greedy continuation the target verifies (eval/cascade.py);
+      layer-skip folder), whose greedy continuation the target verifies (draftsmith/engine/cascade.py);
     - a layer-skip folder (`draftsmith layerskip`), or a trained drafter folder, `PATH@TREE` for a tree.
     The verifier is the target, except for a drafter that trained its backbone (Medusa-2)."""
     path, tree = parse_drafter(spec)

@@ -10,25 +10,14 @@ from tqdm import tqdm
 
 from draftsmith import DraftsmithError
 from draftsmith.data.load import encode_prompt, load_prompts
-from draftsmith.data.regenerate import eos_ids
-from draftsmith.eval.batched import batch_curve
+from draftsmith.engine.batched import batch_curve
+from draftsmith.engine.drafts import parse_tree
+from draftsmith.engine.proposers import NgramProposer, proposer_modules
+from draftsmith.engine.speculative import Sampler, Stats, speculative_decode, target_decode, timed
 from draftsmith.eval.report import write_report
-from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculative_decode, target_decode, timed
-from draftsmith.models.drafts import parse_tree
+from draftsmith.target.load import eos_ids
 from draftsmith.util.kernels import packed_linears
 from draftsmith.util.precision import hardware
-
-
-def proposer_modules(proposer) -> list[torch.nn.Module]:
-    """The modules a proposer decodes with (its drafter, heads or student, and those of the proposers
-    it combines: hybrid, cascade), for `packed_linears`."""
-    found = []
-    for value in vars(proposer).values() if proposer is not None else ():
-        if isinstance(value, torch.nn.Module):
-            found.append(value)
-        elif hasattr(value, "propose"):
-            found += proposer_modules(value)
-    return found
 
 
 def make_baseline(name: str):
@@ -69,11 +58,11 @@ def evaluate(
 ) -> dict:
     """Decode each holdout prompt target-only and speculatively; measure τ, acceptance, speed.
     proposer: a drafter's proposer (`module.make_proposer`), an NgramProposer, or None (k becomes 0).
-    tree: a tree spec (models/drafts.py) instead of a chain of k drafts; k then reports the tree depth.
+    tree: a tree spec (draftsmith/engine/drafts.py) instead of a chain of k drafts; k then reports the tree depth.
     baseline: target-only (output, seconds) per prompt from `target_baseline`, measured once and shared
     by several drafters (`draftsmith compare`); by default it is measured here, prompt by prompt.
     kernels: decode on prepacked oneDNN linears in fp32 on CPU (draftsmith/util/kernels.py); False = torch's default.
-    batch_sizes: also measure the batch-size curve (eval/batched.py: greedy, chain drafts of k tokens)."""
+    batch_sizes: also measure the batch-size curve (draftsmith/engine/batched.py: greedy, chain drafts of k tokens)."""
     spec = parse_tree(tree) if tree else None
     if batch_sizes and (spec is not None or temperature > 0):
         raise DraftsmithError(

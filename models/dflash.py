@@ -41,25 +41,19 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import (
-    Draft,
-    from_exported_head,
-    frozen_target,
-    layer_activation_bytes,
-    llama_dims,
-    load_state,
-    mask_token,
-    no_held_out_metrics,
-    single_group,
-    target_as_original,
-    target_label_rows,
-    trains_target_never,
-    vllm_method,
-    vllm_snippet,
-    write_tensors,
-)
+from draftsmith.engine.drafts import Draft
 from draftsmith.models.eagle import layer_config
 from draftsmith.models.eagle3 import aux_features, speculators_load_check
+from draftsmith.models.folder import load_state
+from draftsmith.models.formats import from_exported_head, llama_dims, vllm_method, vllm_snippet, write_tensors
+from draftsmith.models.interface import no_held_out_metrics, target_as_original, trains_target_never
+from draftsmith.models.training import (
+    frozen_target,
+    layer_activation_bytes,
+    mask_token,
+    single_group,
+    target_label_rows,
+)
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, decay_position_weights, dpace_position_weights
 
 NAME = "dflash"
@@ -334,7 +328,7 @@ class BlockProposer:
         self.feature_names = feature_names(cfg, target.config)
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         # block outputs [t, H] -> logits [t, V]; an attribute, as FeatureProposer's, so `export --verify`
-        # can record every logits row the drafter computed (eval/publish.py Recorder).
+        # can record every logits row the drafter computed (draftsmith/ship/publish.py Recorder).
         self.logits = lambda out: self.lm_head(out.to(self.lm_head.weight.dtype))
         self.max_depth = cfg.block_size - 1
         self.reset()
@@ -427,7 +421,7 @@ SERVE_FORMAT, vllm_serving = "speculators", vllm_method("dflash")
 
 
 def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
-    from draftsmith.models.target import served_name
+    from draftsmith.target.load import served_name
 
     tc = target.config
     dims = {

@@ -27,22 +27,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import collate
-from draftsmith.data.features import target_features, unpack_topk
-from draftsmith.models.common import (
-    StudentProposer,
-    crop_cache,
-    frozen_target,
-    keep_config,
-    layer_activation_bytes,
-    lora_config,
-    no_consumer_check,
-    no_held_out_metrics,
-    single_group,
-    target_as_original,
-    trains_target_never,
-    vllm_method,
-    vllm_snippet,
-)
+from draftsmith.engine.cache import crop_cache
+from draftsmith.engine.proposers import StudentProposer
+from draftsmith.models.formats import vllm_method, vllm_snippet
+from draftsmith.models.interface import no_consumer_check, no_held_out_metrics, target_as_original, trains_target_never
+from draftsmith.models.training import frozen_target, keep_config, layer_activation_bytes, lora_config, single_group
+from draftsmith.target.features import target_features, unpack_topk
 from draftsmith.util.losses import DIVERGENCES, expected_acceptance
 
 NAME = "distill"
@@ -341,7 +331,7 @@ def make_proposer(student, target, cfg: DrafterConfig) -> StudentProposer:
     return StudentProposer(plain(student))  # adapters merged: drafting pays for no LoRA matmuls
 
 
-# vLLM serves this family's `hf` export as speculative method `draft_model` (eval/serve_check.py).
+# vLLM serves this family's `hf` export as speculative method `draft_model` (draftsmith/ship/serve_check.py).
 SERVE_FORMAT, vllm_serving = "hf", vllm_method("draft_model")
 
 

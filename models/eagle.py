@@ -21,26 +21,13 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from draftsmith.models.common import (
-    FeatureProposer,
-    from_exported_head,
-    frozen_target,
-    keep_config,
-    layer_activation_bytes,
-    llama_dims,
-    load_state,
-    no_consumer_check,
-    no_held_out_metrics,
-    renamed,
-    single_group,
-    target_as_original,
-    trains_target_never,
-    ttt_mask,
-    vllm_method,
-    vllm_snippet,
-    write_tensors,
-)
+from draftsmith.engine.proposers import FeatureProposer
+from draftsmith.models.folder import load_state
+from draftsmith.models.formats import from_exported_head, llama_dims, renamed, vllm_method, vllm_snippet, write_tensors
+from draftsmith.models.interface import no_consumer_check, no_held_out_metrics, target_as_original, trains_target_never
+from draftsmith.models.training import frozen_target, keep_config, layer_activation_bytes, single_group
 from draftsmith.util.losses import smooth_l1_feature_loss, soft_cross_entropy, topk_distillation_loss
+from draftsmith.util.masks import ttt_mask
 
 NAME = "eagle"
 # Feature contract: which target tensors this family trains on. The online loop computes them
@@ -222,7 +209,7 @@ param_groups, verifier = single_group, frozen_target
 from_init = keep_config  # its config does not depend on the drafter it starts from
 
 
-# vLLM serves this family's `vllm` export as speculative method `eagle` (eval/serve_check.py).
+# vLLM serves this family's `vllm` export as speculative method `eagle` (draftsmith/ship/serve_check.py).
 SERVE_FORMAT, vllm_serving = "vllm", vllm_method("eagle")
 
 

@@ -28,29 +28,23 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith import DraftsmithError
-from draftsmith.data.features import target_features
-from draftsmith.models.common import (
-    FeatureProposer,
-    causal_mask,
-    draft_vocab,
+from draftsmith.engine.proposers import FeatureProposer
+from draftsmith.models.eagle import layer_config, sglang_snippet, unroll_activation_bytes
+from draftsmith.models.folder import load_state
+from draftsmith.models.formats import (
     from_exported_head,
-    frozen_target,
     llama_dims,
-    load_state,
     logit_diff,
-    no_held_out_metrics,
     renamed,
-    single_group,
-    target_as_original,
-    target_label_rows,
-    trains_target_never,
-    ttt_mask,
     vllm_method,
     vllm_snippet,
     write_tensors,
 )
-from draftsmith.models.eagle import layer_config, sglang_snippet, unroll_activation_bytes
+from draftsmith.models.interface import no_held_out_metrics, target_as_original, trains_target_never
+from draftsmith.models.training import draft_vocab, frozen_target, single_group, target_label_rows
+from draftsmith.target.features import target_features
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, topk_distillation_loss
+from draftsmith.util.masks import causal_mask, ttt_mask
 
 NAME = "eagle3"
 
@@ -100,7 +94,7 @@ def default_aux_layers(n: int) -> list[int]:
     the hidden state entering that layer, i.e. `output_hidden_states[i]`. draftsmith names the
     *output* of a layer (`hidden.a` = output_hidden_states[a + 1]), so the same states are the outputs
     of layers (2 - 1, n//2 - 1, n - 3 - 1) = (1, n//2 - 1, n - 4). Exports write both conventions
-    (models/export.py), so the engines tap exactly these.
+    (draftsmith/ship/export.py), so the engines tap exactly these.
     """
     return [1, n // 2 - 1, n - 4]
 
@@ -380,7 +374,7 @@ param_groups, verifier = single_group, frozen_target
 # from_init (above): a fine-tune reads the aux layers of the head it starts from.
 
 
-# vLLM serves this family's `speculators` export as speculative method `eagle3` (eval/serve_check.py).
+# vLLM serves this family's `speculators` export as speculative method `eagle3` (draftsmith/ship/serve_check.py).
 SERVE_FORMAT, vllm_serving = "speculators", vllm_method("eagle3")
 
 
@@ -413,7 +407,7 @@ def write_sglang(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info
 
 
 def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
-    from draftsmith.models.target import served_name
+    from draftsmith.target.load import served_name
 
     state = renamed(drafter.state_dict(), "midlayer.", "layers.0.")
     # vLLM keeps a drafter's own embed_tokens when it differs from the target's, so ship the
@@ -524,7 +518,7 @@ def speculators_load_check(exported: Path) -> tuple[dict, object]:
     from safetensors.torch import load_file
     from speculators import SpeculatorModel
 
-    from draftsmith.models.target import resolve_target
+    from draftsmith.target.load import resolve_target
 
     config = json.loads((exported / "config.json").read_text())
     local = resolve_target(config["draftsmith"]["target"])

@@ -149,7 +149,7 @@ def model_config(name: str, cache_dir: str = "", what: str = "target") -> Pretra
     """The config of a target or a distill student (`what` names it in the error): the published one
     for the models above, so every GPU recipe plans offline, else its config.json."""
     from draftsmith import DraftsmithError
-    from draftsmith.models.target import resolve_target
+    from draftsmith.target.load import resolve_target
 
     known = known_config(name)
     if known is not None:

@@ -9,9 +9,9 @@ identity on h) and then its own Linear(H -> V) initialised from the target's lm_
 head k predicts token t+k+2 with the target's next-token distribution at t.
 
 All heads fire from the same hidden state in one pass: a chain takes each head's top-1, a static
-tree each head's top-k (models/drafts.py). Loss: sum_k decay^k * CE_k, against the target's own
+tree each head's top-k (draftsmith/engine/drafts.py). Loss: sum_k decay^k * CE_k, against the target's own
 distribution at t+k+1 (soft labels: self-distilled data, whose tokens the target chose itself) or
-the hard token t+k+2 (fixed data). Tensor names follow vLLM's `MedusaModel` (models/export.py).
+the hard token t+k+2 (fixed data). Tensor names follow vLLM's `MedusaModel` (draftsmith/ship/export.py).
 
 Medusa-2 (paper section 2.2.2) adds the backbone's self-distillation: loss = KL(p_original || p_trained)
 on the backbone's own next-token distribution + lambda0 * sum_k decay^k CE_k, lambda0 ramped up
@@ -35,17 +35,11 @@ import torch
 from torch import nn
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import (
-    draft_vocab,
-    keep_config,
-    layer_activation_bytes,
-    load_state,
-    lora_config,
-    no_consumer_check,
-    vllm_snippet,
-    write_tensors,
-)
-from draftsmith.models.drafts import Draft
+from draftsmith.engine.drafts import Draft
+from draftsmith.models.folder import load_state
+from draftsmith.models.formats import vllm_snippet, write_tensors
+from draftsmith.models.interface import no_consumer_check
+from draftsmith.models.training import draft_vocab, keep_config, layer_activation_bytes, lora_config
 from draftsmith.util.losses import forward_kl, soft_cross_entropy
 
 NAME = "medusa"
@@ -67,7 +61,7 @@ class DrafterConfig:
     draft_vocab_size: int = 0
     """0 = heads over the full target vocabulary; N = over the N most frequent trained tokens (the draft
     vocabulary EAGLE-3 uses). On CPU a full 49152-token head costs about a fifth of a target forward
-    per token. vLLM 0.32 serves a reduced vocabulary only with `original_lm_head: true` (models/export.py)."""
+    per token. vLLM 0.32 serves a reduced vocabulary only with `original_lm_head: true` (draftsmith/ship/export.py)."""
     original_lm_head: bool = False
     """Every head reuses the target's own lm_head (no vocabulary parameters; vLLM `original_lm_head`);
     with draft_vocab_size, only its rows of the draft vocabulary (vLLM `token_map`)."""
@@ -240,7 +234,7 @@ class Medusa2(nn.Module):
     def merged(self):
         """A plain transformers model of the trained backbone (adapters merged into a copy), frozen:
         the new target that verifies the heads' drafts."""
-        from draftsmith.models.target import freeze
+        from draftsmith.target.load import freeze
 
         if not self.lora:
             return freeze(copy.deepcopy(self.backbone))
@@ -419,13 +413,14 @@ class MedusaProposer:
     def __init__(self, heads: MedusaHeads):
         self.heads = heads.eval()
         self.max_depth = len(heads.blocks)  # one head per draft position
+        self.logits = lambda rows: rows  # [heads, V]: what the heads computed (a tap for `export --verify`)
 
     def reset(self):
         pass  # stateless: one pass over one hidden state per round
 
-    def _head_logits(self, feats: dict) -> list[torch.Tensor]:
+    def _head_logits(self, feats: dict) -> torch.Tensor:
         h = feats["last_hidden"][0, -1].to(self.heads.dtype)
-        return self.heads([h] * len(self.heads.blocks))
+        return self.logits(torch.stack(self.heads([h] * len(self.heads.blocks))))
 
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> Draft:
@@ -459,7 +454,7 @@ def verifier(drafter, target):
     return drafter.merged() if isinstance(drafter, Medusa2) else target
 
 
-# vLLM serves this family's `vllm` export as speculative method `medusa` (eval/serve_check.py).
+# vLLM serves this family's `vllm` export as speculative method `medusa` (draftsmith/ship/serve_check.py).
 SERVE_FORMAT = "vllm"
 from_init = keep_config  # its config does not depend on the drafter it starts from
 
@@ -591,7 +586,7 @@ def held_out_metrics(drafter, verifier, sequences) -> dict:
     """Per head k: how often its top-1 at position t is token t+k+2 of the verifier's own greedy answer,
     over the answer's positions (from the last prompt token on). `sequences()` -> [(prompt length,
     prompt + answer ids)], computed only when asked."""
-    from draftsmith.data.features import target_features
+    from draftsmith.target.features import target_features
 
     heads = getattr(drafter, "heads", drafter)  # Medusa-2: the drafting part, without the backbone
     k_heads, device = len(heads.blocks), heads.blocks[0].layers[0].linear.weight.device

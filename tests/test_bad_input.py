@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Any target load fails the test: the inputs must be refused first."""
-    from draftsmith.eval import serve_check
+    from draftsmith.ship import serve_check
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the inputs were checked")
@@ -110,7 +110,7 @@ def test_launch_refuses_impossible_counts(flags, message):
 )
 def test_commands_check_their_inputs_before_loading_a_model(args, message, tmp_path, capsys, monkeypatch):
     """A drafter folder whose files are readable metadata only: any model load would fail loudly."""
-    from draftsmith.models import target as target_module
+    from draftsmith.target import load as target_module
 
     run = tmp_path / "final"
     run.mkdir()

@@ -1,4 +1,4 @@
-"""Batched greedy decoding (eval/batched.py): every row equals unbatched target-only greedy, with
+"""Batched greedy decoding (draftsmith/engine/batched.py): every row equals unbatched target-only greedy, with
 ragged acceptance, short drafts, EOS and budgets per row; Stats pool exactly as prompt-by-prompt
 decoding does; drafters see the same target features as at batch size 1."""
 
@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.eval.batched import batch_curve, parse_batch_sizes, speculative_decode_batch, target_decode_batch
-from draftsmith.eval.speculative import NgramProposer, Stats, speculative_decode, target_decode
+from draftsmith.engine.batched import batch_curve, parse_batch_sizes, speculative_decode_batch, target_decode_batch
+from draftsmith.engine.drafts import Draft
+from draftsmith.engine.proposers import NgramProposer
+from draftsmith.engine.speculative import Stats, speculative_decode, target_decode
 from draftsmith.models import eagle, eagle3
-from draftsmith.models.drafts import Draft
 from tests.conftest import make_target
 from tests.test_speculative import OracleProposer  # proposes the target's own greedy continuation
 

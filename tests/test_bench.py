@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from draftsmith.eval.bench import verify_cost
+from benchmarks import verify_cost
 from tests.conftest import MULTIPROCESS
 
 
@@ -18,7 +18,7 @@ def test_verify_cost_prints_a_row_per_dtype_and_kernels(tiny_target_dir, capsys)
 
 
 def test_precision_bench_prints_ratios_and_what_auto_picks(tiny_target_dir, capsys):
-    from draftsmith.eval.bench import precision
+    from benchmarks import precision
 
     precision.main(["--target", str(tiny_target_dir), "--matmul", "64"])
     out = capsys.readouterr().out
@@ -31,12 +31,12 @@ def test_near_ties_scores_every_token_once_and_finds_no_flip_in_fp32(tiny_target
     """Teacher-forced verification passes score each reference token after the first exactly once; in
     fp32 (prepacked oneDNN linears, batch-invariant rows) a pass of K+1 rows picks what the one-token
     decode picked. Scoring against the wrong row (an off-by-one) would flip most tokens."""
-    from draftsmith.eval.bench import near_ties
+    from benchmarks import near_ties
 
     r = near_ties.measure(str(tiny_target_dir), "float32", "builtin:code-holdout", prompts=2, max_new=12, k=3)
     assert r["scored"] == 2 * 11 and r["flips"] == 0 and r["per_1000"] == 0.0
-    from draftsmith.eval.speculative import target_decode
-    from draftsmith.models.target import load_target
+    from draftsmith.engine.speculative import target_decode
+    from draftsmith.target.load import load_target
 
     target, _ = load_target(str(tiny_target_dir), "float32")
     ref = target_decode(target, [5, 6, 7], 12, set())
@@ -47,8 +47,8 @@ def test_near_ties_scores_every_token_once_and_finds_no_flip_in_fp32(tiny_target
 
 @pytest.mark.fp32_exact
 def test_staleness_update_makes_a_loadable_different_target(tiny_target, chat_jsonl, tmp_path):
-    from draftsmith.eval.bench.staleness import update_target
-    from draftsmith.models.target import fingerprint, load_target
+    from benchmarks.staleness import update_target
+    from draftsmith.target.load import fingerprint, load_target
 
     target, tok = tiny_target
     out = update_target(target, tok, str(chat_jsonl), tmp_path / "updated", steps=3, batch_size=2, lr=1e-2, rank=4)
@@ -65,7 +65,7 @@ def test_scaling_bench_runs_one_and_two_processes_on_the_same_global_batch(
 ):
     import json
 
-    from draftsmith.eval.bench import scaling
+    from benchmarks import scaling
 
     recipe = tmp_path / "empty.yaml"
     recipe.write_text("{}\n")

@@ -1,4 +1,4 @@
-"""Cascades (eval/cascade.py): the draft is exactly the intermediate's greedy continuation, greedy
+"""Cascades (draftsmith/engine/cascade.py): the draft is exactly the intermediate's greedy continuation, greedy
 decoding stays token-exact and sampling stays distributed as the target's, the per-level counters
 add up, and cascades whose intermediate cannot verify are one-line errors."""
 
@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.eval.cascade import CascadeProposer, build_cascade, parse_cascade
-from draftsmith.eval.selfspec import SkipLayers
-from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculative_decode, target_decode
+from draftsmith.engine.cascade import CascadeProposer, build_cascade, parse_cascade
+from draftsmith.engine.proposers import NgramProposer
+from draftsmith.engine.selfspec import SkipLayers
+from draftsmith.engine.speculative import Sampler, Stats, speculative_decode, target_decode
 from draftsmith.models import eagle
 from draftsmith.models.distill import StudentProposer
 from tests.conftest import make_target, make_tokenizer

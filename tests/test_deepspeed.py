@@ -132,7 +132,7 @@ def test_zero3_matches_one_process_shards_the_target_and_writes_a_whole_final(ru
     a, b, full = map(int, held.groups())
     assert all(0.45 * full < x < 0.55 * full for x in (a, b)), (a, b, full)
     from draftsmith.models.registry import load_drafter
-    from draftsmith.models.target import load_target
+    from draftsmith.target.load import load_target
 
     target, _ = load_target(str(runs.target))
     module, _, drafter = load_drafter(run / "final", target)

@@ -8,18 +8,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import DraftsmithError
-from draftsmith.data.features import target_features
+from draftsmith.engine.speculative import Sampler, Stats, speculative_greedy, target_greedy
 from draftsmith.eval.run import evaluate
-from draftsmith.eval.speculative import Sampler, Stats, speculative_greedy, target_greedy
 from draftsmith.models import dflash
-from draftsmith.models.export import export, export_family, init_weights
+from draftsmith.ship.export import export, export_family, init_weights
+from draftsmith.target.features import target_features
 from tests.test_export import _same_decoding, _save
 
 
 @pytest.fixture(scope="module")
 def target4(tmp_path_factory):
     """A tiny random 4-layer target: three distinct ctx layers below the last one."""
-    from draftsmith.models.target import load_target
+    from draftsmith.target.load import load_target
     from tests.conftest import save_target
 
     return load_target(str(save_target(tmp_path_factory.mktemp("tiny4"), layers=4)), "fp32")[0]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.eval.speculative import Sampler, Stats, speculative_decode, target_decode
+from draftsmith.engine.speculative import Sampler, Stats, speculative_decode, target_decode
 from draftsmith.models import distill
 from tests.conftest import lossless_ok, make_target, make_tokenizer
 
@@ -90,8 +90,8 @@ def test_distillation_in_the_shared_loop_evaluates_and_exports_a_plain_causal_lm
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith.models.export import export, import_export
-    from draftsmith.models.target import load_target
+    from draftsmith.ship.export import export, import_export
+    from draftsmith.target.load import load_target
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train
     from tests.test_train import _overrides
@@ -187,7 +187,7 @@ def test_lora_students_train_adapters_only_and_merge_to_the_same_logits(tiny_tar
     student = distill.build(cfg, target)
     before = {n: p.detach().clone() for n, p in student.named_parameters()}
     opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-2)
-    from draftsmith.data.features import target_features
+    from draftsmith.target.features import target_features
 
     ids = torch.randint(5, 60, (2, 10))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
@@ -205,7 +205,7 @@ def test_lora_students_train_adapters_only_and_merge_to_the_same_logits(tiny_tar
 
 @pytest.mark.fp32_exact
 def test_offline_top_k_logits_cost_2k_plus_1_floats_and_match_the_full_loss_when_k_is_the_vocabulary(tiny_target):
-    from draftsmith.data.features import target_features, topk_logits, unpack_topk
+    from draftsmith.target.features import target_features, topk_logits, unpack_topk
 
     target, _ = tiny_target
     V = target.config.vocab_size

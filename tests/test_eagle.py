@@ -5,9 +5,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from draftsmith.data.features import target_features
 from draftsmith.models import eagle
-from draftsmith.models.common import causal_mask
+from draftsmith.target.features import target_features
+from draftsmith.util.masks import causal_mask
 
 
 class Recorder(nn.Module):

@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.data.features import target_features
-from draftsmith.eval.speculative import Stats, speculative_greedy, target_greedy
+from draftsmith.engine.speculative import Stats, speculative_greedy, target_greedy
 from draftsmith.models import eagle3
-from draftsmith.models.common import causal_mask, draft_vocab
+from draftsmith.models.training import draft_vocab
+from draftsmith.target.features import target_features
+from draftsmith.util.masks import causal_mask
 
 
 def _cfg(**kw):

@@ -8,12 +8,12 @@ from safetensors.torch import load_file
 
 from draftsmith import DraftsmithError
 from draftsmith.cli import main
-from draftsmith.eval.speculative import Stats, speculative_greedy
+from draftsmith.engine.speculative import Stats, speculative_greedy
 from draftsmith.models import distill, eagle, eagle3, medusa
-from draftsmith.models.common import save_drafter
-from draftsmith.models.export import export, import_export
+from draftsmith.models.folder import save_drafter
 from draftsmith.models.registry import load_drafter
-from draftsmith.models.target import fingerprint
+from draftsmith.ship.export import export, import_export
+from draftsmith.target.load import fingerprint
 from tests.conftest import lossless_ok
 
 H = 32  # tiny target hidden size
@@ -112,7 +112,7 @@ def test_eagle3_speculators_format(tiny_target, tmp_path):
 
 
 def test_export_refuses_other_target_and_unknown_format(tiny_target, other_target_dir, tmp_path):
-    from draftsmith.models.target import load_target
+    from draftsmith.target.load import load_target
 
     target, _ = tiny_target
     path = _save(tmp_path, eagle, eagle.DrafterConfig(), target)
@@ -127,8 +127,8 @@ def test_export_refuses_other_target_and_unknown_format(tiny_target, other_targe
 def test_drafters_bench_runs_every_row_on_tiny_drafters_of_every_family(tiny_target_dir, chat_jsonl, tmp_path, capsys):
     """The side-by-side benchmark end to end on tiny drafters: every row present, greedy rows
     lossless, costs computed from the real modules, Medusa on its static tree."""
-    from draftsmith.eval.bench import drafters as bench
-    from draftsmith.models.target import load_target
+    from benchmarks import drafters as bench
+    from draftsmith.target.load import load_target
 
     target, _ = load_target(str(tiny_target_dir))
     paths = {}
@@ -181,7 +181,7 @@ def test_drafters_bench_runs_every_row_on_tiny_drafters_of_every_family(tiny_tar
 
 
 def test_exports_name_a_target_serving_engines_resolve(tmp_path):
-    from draftsmith.models.target import served_name
+    from draftsmith.target.load import served_name
 
     # draftsmith's alias means nothing to vLLM or speculators: the hub id behind it is written instead.
     assert served_name("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -192,9 +192,9 @@ def test_exports_name_a_target_serving_engines_resolve(tmp_path):
 
 def test_drafters_bench_takes_a_chain_length_per_drafter_for_block_drafters(tiny_target_dir, chat_jsonl, tmp_path):
     """P-EAGLE drafts at most its depths per pass: `--k peagle=3` next to EAGLE-3's plain --k 5."""
-    from draftsmith.eval.bench import drafters as bench
+    from benchmarks import drafters as bench
     from draftsmith.models import peagle
-    from draftsmith.models.target import load_target
+    from draftsmith.target.load import load_target
 
     target, _ = load_target(str(tiny_target_dir))
     paths = {}

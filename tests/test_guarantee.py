@@ -52,7 +52,7 @@ def test_the_target_only_baseline_is_identical_to_its_reference(dtype, tiny_targ
 
 def test_target_decode_is_the_engine_without_a_drafter(tiny_target, monkeypatch):
     """One computation: the reference decode is the speculative engine with no drafts, pass for pass."""
-    from draftsmith.eval import speculative
+    from draftsmith.engine import speculative
 
     target, _ = tiny_target
     calls = []
@@ -101,7 +101,7 @@ def test_the_lossless_column_is_the_rule_with_the_identity_count(report, cell):
 @pytest.fixture
 def rule_broken(monkeypatch):
     """Every greedy round reports a broken verification rule (what a wrong verify rule would give)."""
-    from draftsmith.eval import speculative
+    from draftsmith.engine import speculative
 
     monkeypatch.setattr(speculative, "rule_exact", lambda *a: False)
 

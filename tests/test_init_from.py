@@ -9,9 +9,9 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.models import distill, eagle, eagle3, medusa
-from draftsmith.models.common import load_state, save_drafter
-from draftsmith.models.export import export, init_weights
-from draftsmith.models.target import fingerprint
+from draftsmith.models.folder import load_state, save_drafter
+from draftsmith.ship.export import export, init_weights
+from draftsmith.target.load import fingerprint
 
 CASES = [
     (eagle, eagle.DrafterConfig(), ["vllm", "sglang"]),
@@ -77,7 +77,7 @@ def test_official_style_exports_without_draftsmiths_section_are_recognised(tiny_
 
 
 def test_bad_inits_are_one_line_errors(tiny_target, other_target_dir, tmp_path):
-    from draftsmith.models.target import load_target
+    from draftsmith.target.load import load_target
 
     target, tok = tiny_target
     cfg = medusa.DrafterConfig(num_heads=2)
@@ -114,7 +114,7 @@ def test_bad_inits_are_one_line_errors(tiny_target, other_target_dir, tmp_path):
 def test_a_fine_tuning_run_reports_both_holdouts_before_and_after(tiny_target_dir, chat_jsonl, tmp_path):
     from draftsmith.eval.run import evaluate_drafter
     from draftsmith.models.registry import load_drafter
-    from draftsmith.models.target import load_target
+    from draftsmith.target.load import load_target
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train
     from tests.test_train import _overrides

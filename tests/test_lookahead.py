@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 from draftsmith import DraftsmithError
-from draftsmith.data.features import target_features
-from draftsmith.eval.lookahead import HybridProposer, LookaheadProposer, graft, suffix_match, trie_draft
-from draftsmith.eval.speculative import NgramProposer, Sampler, Stats, speculative_decode, target_decode
-from draftsmith.eval.tree import verify_tree_greedy
+from draftsmith.engine.drafts import Draft, parse_tree
+from draftsmith.engine.lookahead import HybridProposer, LookaheadProposer, graft, suffix_match, trie_draft
+from draftsmith.engine.proposers import NgramProposer
+from draftsmith.engine.speculative import Sampler, Stats, speculative_decode, target_decode
+from draftsmith.engine.verify import verify_tree_greedy
 from draftsmith.models import distill, eagle
-from draftsmith.models.drafts import Draft, parse_tree
+from draftsmith.target.features import target_features
 from tests.conftest import make_target
 from tests.test_sampling import PROMPT, _collect, _reference, chi_square_p
 
@@ -313,7 +314,7 @@ def test_greedy_hybrid_equals_target_greedy_and_uses_both_sources(tiny_target, k
 @pytest.mark.fp32_exact
 def test_batched_rows_get_their_own_model_proposer(tiny_target):
     """Batched decoding copies the proposer per row; a shared FeatureProposer cache would mix rows."""
-    from draftsmith.eval.batched import speculative_decode_batch
+    from draftsmith.engine.batched import speculative_decode_batch
     from draftsmith.eval.run import fresh_copies
 
     target, tok = tiny_target

@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith import DraftsmithError
-from draftsmith.eval.speculative import Stats, speculative_decode, target_decode
+from draftsmith.engine.drafts import parse_tree
+from draftsmith.engine.speculative import Stats, speculative_decode, target_decode
 from draftsmith.models import medusa
-from draftsmith.models.common import save_drafter
-from draftsmith.models.drafts import parse_tree
-from draftsmith.models.target import fingerprint
+from draftsmith.models.folder import save_drafter
+from draftsmith.target.load import fingerprint
 from tests.conftest import lossless_ok
 
 
@@ -79,7 +79,7 @@ def test_medusa1_trains_heads_only(tiny_target):
     cfg = medusa.DrafterConfig(num_heads=2)
     heads = medusa.build(cfg, target)
     ids = torch.randint(5, 60, (2, 12))
-    from draftsmith.data.features import target_features
+    from draftsmith.target.features import target_features
 
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     loss, n, _ = medusa.compute_loss(heads, target, batch, target_features(target, batch, ("last_hidden",)), cfg)
@@ -132,7 +132,7 @@ def test_chain_drafts_are_lossless_with_real_heads(tiny_target):
 
 @pytest.mark.fp32_exact
 def test_vllm_export_contract_and_round_trip(tiny_target, tmp_path):
-    from draftsmith.models.export import export, import_export
+    from draftsmith.ship.export import export, import_export
 
     target, _ = tiny_target
     cfg = medusa.DrafterConfig(num_heads=3, num_layers=2)
@@ -195,7 +195,7 @@ def test_medusa_trains_in_the_shared_loop_and_evaluates_on_a_static_tree(tiny_ta
 
 @pytest.mark.fp32_exact
 def test_reduced_head_vocabulary_maps_back_to_target_ids_and_exports_a_token_map(tiny_target, tmp_path):
-    from draftsmith.models.export import export, import_export
+    from draftsmith.ship.export import export, import_export
 
     target, tok = tiny_target
     rows = [{"input_ids": tok("abcabc hello")["input_ids"], "loss_mask": [1] * 12}]
@@ -340,8 +340,8 @@ def test_lambda0_ramps_up_from_the_start_of_joint_training(schedule, mid):
 
 def test_medusa2_trains_is_verified_by_its_backbone_and_exports_it(tiny_target_dir, chat_jsonl, tmp_path):
     from draftsmith.eval.run import evaluate
-    from draftsmith.models.export import export, import_export
-    from draftsmith.models.target import load_target
+    from draftsmith.ship.export import export, import_export
+    from draftsmith.target.load import load_target
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train
     from tests.test_train import _overrides, _weights
@@ -400,7 +400,7 @@ def test_medusa2_trains_is_verified_by_its_backbone_and_exports_it(tiny_target_d
 
 @pytest.mark.fp32_exact
 def test_original_lm_head_heads_share_the_targets_and_export_one_lm_head(tiny_target, tmp_path):
-    from draftsmith.models.export import export, import_export
+    from draftsmith.ship.export import export, import_export
 
     target, _ = tiny_target
     cfg = medusa.DrafterConfig(num_heads=2, original_lm_head=True, fc_bias=False)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.data.features import target_features
-from draftsmith.eval.speculative import Stats, speculative_greedy, target_greedy
+from draftsmith.engine.speculative import Stats, speculative_greedy, target_greedy
 from draftsmith.models import peagle
+from draftsmith.target.features import target_features
 
 VOCAB_DATA = {"input_ids": [list(range(5, 90))], "loss_mask": [[1] * 85]}  # every token, for the draft vocabulary
 
@@ -61,7 +61,7 @@ def test_the_packed_pass_gives_each_slot_the_logits_the_proposer_drafts_with(tin
         m = 3
         hidden = torch.cat([real_hidden, d.fuse(d.mask_hidden).expand(1, m, -1)], 1)
         emb = embed(torch.cat([ids[:, 1 : anchor + 2], torch.full((1, m), cfg.mask_token_id)], 1))
-        from draftsmith.models.common import causal_mask
+        from draftsmith.util.masks import causal_mask
 
         o = d.step(hidden, emb, torch.arange(anchor + 1 + m)[None], causal_mask(anchor + 1 + m, anchor + 1 + m))
         logits = d.target_vocab_logits(o[0, -(m + 1) :])
@@ -97,9 +97,9 @@ def test_peagle_learns_every_depth_and_greedy_stays_lossless(tiny_target):
 
 def _exported(target, tmp_path):
     """A P-EAGLE head with norm_before_fc and mask token 3, saved and exported -> (cfg, head, export)."""
-    from draftsmith.models.common import save_drafter
-    from draftsmith.models.export import export
-    from draftsmith.models.target import fingerprint
+    from draftsmith.models.folder import save_drafter
+    from draftsmith.ship.export import export
+    from draftsmith.target.load import fingerprint
 
     torch.manual_seed(0)
     cfg = _cfg(norm_before_fc=True, mask_token_id=3)
@@ -116,7 +116,7 @@ def _exported(target, tmp_path):
 def test_speculators_peagle_export_has_what_vllm_reads_and_round_trips(tiny_target, tmp_path):
     from safetensors.torch import load_file
 
-    from draftsmith.models.export import export_family, import_export
+    from draftsmith.ship.export import export_family, import_export
 
     target, _ = tiny_target
     cfg, d, out = _exported(target, tmp_path)
@@ -150,7 +150,7 @@ def test_bad_peagle_configs_are_one_line_errors(tiny_target):
 
 @pytest.mark.fp32_exact
 def test_init_from_a_peagle_export_takes_its_layers_norm_and_mask_token(tiny_target, tmp_path):
-    from draftsmith.models.export import init_weights, read_config
+    from draftsmith.ship.export import init_weights, read_config
 
     target, _ = tiny_target
     _, d, out = _exported(target, tmp_path)

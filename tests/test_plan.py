@@ -72,9 +72,9 @@ def test_plan_cli_prints_known_targets_offline(capsys):
 @pytest.mark.parametrize("case", ["tiny-eagle3", "tiny-medusa2", "tiny-distill"])
 @pytest.mark.fp32_exact
 def test_planned_memory_is_within_20_percent_of_the_allocations_measured_in_a_training_step(case):
-    # eval/bench/memory.py: the step's peak comes from torch's profiler (every CPU allocation and
+    # benchmarks/memory.py: the step's peak comes from torch's profiler (every CPU allocation and
     # free); weights and optimizer state from the real tensors, which the planner must hit exactly.
-    from draftsmith.eval.bench import memory
+    from benchmarks import memory
 
     r = memory.measure(memory.case_config(case))
     planned, measured = r["planned"], r["measured"]

@@ -134,9 +134,9 @@ def test_a_bf16_autocast_step_at_lr_2e5_changes_full_weights_as_an_fp32_step_doe
     so AdamW's first step (about lr x sign(grad) per weight) lands as in fp32; on bf16 weights most
     of it would round away (checked below on the same update)."""
     from draftsmith.data.batching import build_dataset, collate
-    from draftsmith.data.features import target_features
     from draftsmith.models.registry import drafter_module
-    from draftsmith.models.target import load_target
+    from draftsmith.target.features import target_features
+    from draftsmith.target.load import load_target
 
     module = drafter_module(family)
     dcfg = module.DrafterConfig(**cfg)

@@ -394,9 +394,9 @@ def _train(target_dir, data, tmp_path, family: str, extra: dict):
 
 def test_parity_compares_logits_of_every_family(tiny_target_dir, chat_jsonl, tmp_path):
     """The logits tap finds each family's logits (EAGLE's function, Medusa's heads, the student's forward)."""
-    from draftsmith.eval.publish import verify_export
-    from draftsmith.models.export import export
-    from draftsmith.models.target import load_target
+    from draftsmith.ship.export import export
+    from draftsmith.ship.publish import verify_export
+    from draftsmith.target.load import load_target
 
     target, tok = load_target(str(tiny_target_dir))
     for family, fmt, extra in (

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from draftsmith import DraftsmithError
-from draftsmith.eval.publish import verify_export
 from draftsmith.models import eagle3
-from draftsmith.models.export import export
 from draftsmith.models.registry import drafter_module
-from draftsmith.models.target import load_target
+from draftsmith.ship.export import export
+from draftsmith.ship.publish import verify_export
+from draftsmith.target.load import load_target
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import train
 from tests.conftest import REAL_ARCHS, lossless_ok, save_arch_target, write_pattern_chats

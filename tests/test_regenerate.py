@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from draftsmith.data.batching import build_dataset
-from draftsmith.data.features import FeatureCache, target_features
-from draftsmith.data.regenerate import answer_batch, eos_ids, regenerate
-from draftsmith.models.target import ensure_pad, fingerprint
+from draftsmith.data.features import FeatureCache
+from draftsmith.data.regenerate import answer_batch, regenerate
+from draftsmith.target.features import target_features
+from draftsmith.target.load import ensure_pad, eos_ids, fingerprint
 
 NAMES = ("hidden.0", "last_hidden")
 

@@ -35,7 +35,7 @@ def test_every_recipe_names_a_registered_drafter():
 
 
 def test_fingerprint_ignores_load_dtype_and_sees_an_update_of_any_one_matrix(tiny_target_dir):
-    from draftsmith.models.target import fingerprint, load_target
+    from draftsmith.target.load import fingerprint, load_target
 
     fp32, _ = load_target(str(tiny_target_dir), "fp32")
     bf16, _ = load_target(str(tiny_target_dir), "bf16")

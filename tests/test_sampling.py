@@ -10,7 +10,8 @@ from collections import Counter
 import pytest
 import torch
 
-from draftsmith.eval.speculative import NgramProposer, Sampler, speculative_sample, target_sample
+from draftsmith.engine.proposers import NgramProposer
+from draftsmith.engine.speculative import Sampler, speculative_sample, target_sample
 from draftsmith.models import eagle
 
 PROMPT = [1, 20, 21, 22, 20, 21]

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from draftsmith import DraftsmithError
-from draftsmith.eval import selfspec
-from draftsmith.eval.speculative import Stats, speculative_decode, target_decode
+from draftsmith.engine import selfspec
+from draftsmith.engine.speculative import Stats, speculative_decode, target_decode
 from tests.conftest import make_target, make_tokenizer
 
 

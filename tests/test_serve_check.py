@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from draftsmith import DraftsmithError
-from draftsmith.data import vllm_server
-from draftsmith.eval.serve_check import serve_check, tau_tolerance, vllm_acceptance
+from draftsmith.ship.serve_check import serve_check, tau_tolerance, vllm_acceptance
+from draftsmith.target import vllm_server
 
 EAGLE3 = {"drafter.type": "eagle3", "drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60}
 FAMILIES = {
@@ -195,8 +195,8 @@ def _break(export_dir: Path, how: str) -> None:
 def test_a_broken_export_fails_with_a_tau_difference(pattern, trained, target_server, tmp_path, how):
     """vLLM loads a broken export and stays lossless, but drafts other tokens than the trained
     drafter: compared with it (not with the export read back), τ falls apart."""
-    from draftsmith.models.export import export
-    from draftsmith.models.target import load_target
+    from draftsmith.ship.export import export
+    from draftsmith.target.load import load_target
 
     final = trained("eagle3")
     target, tok = load_target(str(pattern["target"]), "float32")
@@ -222,8 +222,8 @@ def test_every_family_vllm_serves_passes(pattern, trained, target_server, tmp_pa
 @needs_vllm
 @pytest.mark.vllm_families
 def test_eagle3_official_sglang_format_is_served_too(pattern, trained, target_server, tmp_path):
-    from draftsmith.models.export import export
-    from draftsmith.models.target import load_target
+    from draftsmith.ship.export import export
+    from draftsmith.target.load import load_target
 
     final = trained("eagle3")
     target, tok = load_target(str(pattern["target"]), "float32")
@@ -260,7 +260,7 @@ def test_server_is_stopped_after_a_startup_failure_and_after_ctrl_c(pattern, tmp
 def test_regenerate_through_vllm_keeps_vllms_exact_ids_and_resumes(pattern, target_server, tmp_path, monkeypatch):
     from draftsmith.data import regenerate as regen
     from draftsmith.data.load import encode_prompt, load_prompts
-    from draftsmith.models.target import load_target
+    from draftsmith.target.load import load_target
 
     target, tok = load_target(str(pattern["target"]), "float32")
     out = tmp_path / "regen.jsonl"
@@ -403,9 +403,9 @@ def test_serve_check_cli_without_vllm_says_how_to_install(tmp_path, monkeypatch,
 
 
 def test_a_family_vllm_cannot_serve_is_named(tiny_target_dir, chat_jsonl, tmp_path, monkeypatch):
-    from draftsmith.eval import serve_check as sc
     from draftsmith.models import eagle
-    from draftsmith.models.target import load_target
+    from draftsmith.ship import serve_check as sc
+    from draftsmith.target.load import load_target
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train
     from tests.test_train import _overrides
@@ -427,8 +427,8 @@ def test_medusa_reduced_vocabulary_is_exported_the_one_way_vllm_loads_it(tiny_ta
     shape assertion, so they are refused with the way out named."""
     from safetensors.torch import load_file
 
-    from draftsmith.models.export import export
-    from draftsmith.models.target import load_target
+    from draftsmith.ship.export import export
+    from draftsmith.target.load import load_target
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train
     from tests.test_train import _overrides
@@ -460,7 +460,7 @@ def test_medusa_reduced_vocabulary_is_exported_the_one_way_vllm_loads_it(tiny_ta
 @needs_vllm
 @pytest.mark.vllm_families
 def test_regeneration_bench_prints_both_engines_and_their_agreement(pattern, tmp_path, capsys):
-    from draftsmith.eval.bench import regen_vllm
+    from benchmarks import regen_vllm
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"target: {pattern['target']}\ndrafter:\n  type: eagle\n")

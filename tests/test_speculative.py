@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from draftsmith.eval.speculative import NgramProposer, Stats, speculative_greedy, target_greedy
+from draftsmith.engine.drafts import Draft
+from draftsmith.engine.proposers import NgramProposer
+from draftsmith.engine.speculative import Stats, speculative_greedy, target_greedy
 from draftsmith.models import eagle
-from draftsmith.models.drafts import Draft
 
 
 class OracleProposer:

@@ -74,7 +74,7 @@ def test_train_end_to_end_writes_drafter_and_eval_report(tiny_target_dir, other_
     assert log[-1]["loss"] < log[0]["loss"]  # it learns something even in 6 steps
     # A drafter trained for another target is refused by eval.
     from draftsmith.models.registry import load_drafter
-    from draftsmith.models.target import load_target
+    from draftsmith.target.load import load_target
 
     other, _ = load_target(str(other_target_dir))
     with pytest.raises(DraftsmithError, match="trained for target"):

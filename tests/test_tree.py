@@ -7,11 +7,11 @@ import torch
 from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
-from draftsmith.data.features import target_features
-from draftsmith.eval.speculative import Sampler, Stats, speculative_decode, target_greedy
-from draftsmith.eval.tree import verification_inputs
+from draftsmith.engine.drafts import Draft, grow_tree, parse_tree
+from draftsmith.engine.speculative import Sampler, Stats, speculative_decode, target_greedy
+from draftsmith.engine.verify import verification_inputs
 from draftsmith.models import eagle, eagle3
-from draftsmith.models.drafts import Draft, grow_tree, parse_tree
+from draftsmith.target.features import target_features
 from tests.test_sampling import PROMPT, AcceptAll, N, _collect, _reference, chi_square_p
 
 

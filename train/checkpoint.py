@@ -15,7 +15,7 @@ from pathlib import Path
 from accelerate.utils import DistributedType
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import save_drafter
+from draftsmith.models.folder import save_drafter
 
 STEP_RE = re.compile(r"^step-(\d{6,})$")
 STATE_FILE = "trainer_state.json"

@@ -69,7 +69,7 @@ class DataConfig:
         """`regenerate_vllm`'s keyword arguments for `regenerate_engine: vllm` (None for hf)."""
         if self.regenerate_engine != "vllm":
             return None
-        from draftsmith.models.target import resolve_target
+        from draftsmith.target.load import resolve_target
 
         return {
             "target": str(resolve_target(target, cache_dir)),
@@ -114,7 +114,7 @@ class EvalConfig:
     """0 = greedy (token-exact lossless check); > 0 = lossless speculative sampling."""
     top_p: float = 1.0
     tree: str | None = None
-    """Draft tree instead of a chain, e.g. `dynamic:depth=5,top_k=8,tokens=48` (see models/drafts.py)."""
+    """Draft tree instead of a chain, e.g. `dynamic:depth=5,top_k=8,tokens=48` (see draftsmith/engine/drafts.py)."""
     dtype: str = "auto"
     """Target and drafter dtype in the eval stage: `auto`, `float32`/`no` or `bfloat16` (draftsmith/util/precision.py)."""
     general_holdout: str = ""
@@ -179,7 +179,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
     raw = read_yaml(recipe) if recipe else {}
     raw = _merge(raw, parse_overrides(overrides or []))
     # Imported only now: the registry pulls in transformers (seconds), and a missing file should not wait.
-    from draftsmith.models.drafts import parse_tree
+    from draftsmith.engine.drafts import parse_tree
     from draftsmith.models.registry import drafter_module
 
     where = str(recipe) if recipe else "config"
@@ -229,7 +229,7 @@ def _validate(cfg: Config, where: str) -> None:
     for key in PRECISION_KEYS:  # names only here; `auto` is resolved on the run's device (resolve_precision)
         precision.check(_get(cfg, key), f"{where}: {key}")
     if cfg.eval.tree:
-        from draftsmith.models.drafts import parse_tree
+        from draftsmith.engine.drafts import parse_tree
 
         parse_tree(cfg.eval.tree, f"{where}: eval.tree")
 

@@ -34,16 +34,17 @@ from transformers import (
 
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import build_dataset, collate, epoch_batches
-from draftsmith.data.features import FeatureCache, target_features, write_cache
+from draftsmith.data.features import FeatureCache, write_cache
 from draftsmith.data.regenerate import cached_regeneration, regeneration_path
 from draftsmith.data.sharding import Shard
 
 # Imported with the loop, not at the eval stage: the eval runs the code the training run started with.
 from draftsmith.eval.report import format_table, require_rule_exact, write_before_after
 from draftsmith.eval.run import evaluate_drafter
-from draftsmith.models.export import init_weights, read_config
 from draftsmith.models.registry import drafter_module, load_drafter, target_to_load_on
-from draftsmith.models.target import cache_root, ensure_pad, fingerprint, load_target
+from draftsmith.ship.export import init_weights, read_config
+from draftsmith.target.features import target_features
+from draftsmith.target.load import cache_root, fingerprint, load_target
 from draftsmith.train import checkpoint
 from draftsmith.train.config import Config, drafter_config, resolve_precision
 from draftsmith.train.distributed import (
@@ -217,7 +218,6 @@ def load_target_and_data(run: Run) -> None:
         )
     if sharded_target and fits_whole(target, accelerator.device):
         target.to(accelerator.device)
-    ensure_pad(tok)
     run.target, run.tok, run.fp = target, tok, fingerprint(target)
     if cfg.init_from:  # e.g. an EAGLE-3 head's aux layers come from the head it starts from
         run.dcfg = module.from_init(run.dcfg, read_config(cfg.init_from), target.config)

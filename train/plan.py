@@ -8,7 +8,7 @@ weights are fp32 with autocast (accelerate), AdamW keeps two fp32 moments, gradi
 Activations are what is live at the step's peak for a micro-batch of full-length rows: each decoder
 layer keeps e*(10 H + 4 I) bytes per token for backward (e = 2 under bf16 autocast, 4 in fp32;
 flash/SDPA attention), plus the fp32 [tokens, vocabulary] buffers each family's loss holds, counted
-in its compute_loss, plus the target features it reads. eval/bench/memory.py checks all of it
+in its compute_loss, plus the target features it reads. benchmarks/memory.py checks all of it
 against the allocations torch's profiler records in a real training step on CPU.
 """
 
@@ -78,7 +78,7 @@ def sizes(cfg: Config, tc) -> Sizes:
     names = module.feature_names(dcfg, tc)
     feat_dims = sum(int(x.split(".")[1]) * 2 + 1 if x.startswith("logits_topk.") else tc.hidden_size for x in names)
     # What is live at the step's peak: the [n, vocab] fp32 buffers of the family's loss (counted in its
-    # compute_loss; eval/bench/memory.py measures them) plus the activations of the layers it trains.
+    # compute_loss; benchmarks/memory.py measures them) plus the activations of the layers it trains.
     act = module.activation_bytes(dcfg, tc, drafter, B, T, e)
     act += n * b_t * feat_dims  # the target's features the family reads (online or from the cache)
     return Sizes(

@@ -5,7 +5,7 @@ On a CPU a small target's forward is bound by reading its weights from memory, s
 but torch's default fp32 matmul (MKL) repacks the weight matrix on every call with more than one
 input row, and on a 2-core AMD EPYC (AVX2) a forward over 9 tokens measured about 1.8x a one-token
 forward. oneDNN with each weight reordered once into its blocked layout reads the weights once per
-call: 9 tokens then cost about 1.3x one token (eval/bench/verify_cost.py prints both on the machine
+call: 9 tokens then cost about 1.3x one token (benchmarks/verify_cost.py prints both on the machine
 at hand). Its rows are also batch-invariant (row i of a 9-row product equals the 1-row product
 bit for bit), so greedy verification sees exactly the logits that one-token decoding sees.
 

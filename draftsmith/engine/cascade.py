@@ -2,9 +2,9 @@
 the vertical cascade of Cascade Speculative Drafting, Chen et al. 2023, arXiv:2312.11462).
 
 A cheap proposer `low` (prompt lookup, or any token-only chain proposer) drafts for an intermediate
-causal LM `mid` (a distilled student, or the target with layers skipped, eval/selfspec.py); the mid
+causal LM `mid` (a distilled student, or the target with layers skipped, draftsmith/engine/selfspec.py); the mid
 runs its own greedy speculative decoding until it holds K tokens, and those K tokens are the draft
-the *target* verifies through the ordinary engine (eval/speculative.py). One mid round:
+the *target* verifies through the ordinary engine (draftsmith/engine/speculative.py). One mid round:
 
     low proposes d_0..d_{r-1} after the mid's context c
     mid scores [pending..., d_0..d_{r-1}] in one pass with its own KV cache
@@ -26,9 +26,10 @@ import torch
 from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
-from draftsmith.eval.speculative import Stats
-from draftsmith.models.common import StudentProposer, crop_cache, resync
-from draftsmith.models.drafts import Draft
+from draftsmith.engine.cache import crop_cache
+from draftsmith.engine.drafts import Draft
+from draftsmith.engine.proposers import StudentProposer, resync
+from draftsmith.engine.speculative import Stats
 
 # Counters pooled over every round of every prompt (reset() keeps them, like the engine's Stats).
 COUNTERS = ("rounds", "mid_passes", "mid_tokens", "mid_synced", "low_proposed", "low_accepted")
@@ -169,7 +170,7 @@ def _check_low(low, name: str, target, where: str):
 def _check_mid(mid, name: str, target, where: str):
     """The intermediate must verify: a causal LM with a KV cache, with logits over the target's vocabulary."""
     if isinstance(mid, StudentProposer):  # a loaded student or layer-skip folder: verify with its model
-        mid = mid.student
+        mid = mid.model
     vocab = None if hasattr(mid, "propose") else _vocab(mid, target)
     if vocab is None:
         raise DraftsmithError(

@@ -1,6 +1,6 @@
 """Regeneration through vLLM against the in-process fused path, side by side in one run.
 
-    python -m draftsmith.eval.bench.regen_vllm --data builtin:code --num-prompts 640 --out regen-bench/
+    python -m benchmarks.regen_vllm --data builtin:code --num-prompts 640 --out regen-bench/
 
 Both answer the same prompts greedily with the same budget (the quickstart's: 128 new tokens):
 - `hf`: draftsmith's own batched decoder (`data regenerate`, batch 64), capturing the features the
@@ -19,10 +19,10 @@ import json
 import time
 from pathlib import Path
 
-from draftsmith.data import vllm_server
 from draftsmith.data.regenerate import regenerate, regenerate_vllm
 from draftsmith.models.registry import drafter_module
-from draftsmith.models.target import ensure_pad, fingerprint, load_target, resolve_target
+from draftsmith.target import vllm_server
+from draftsmith.target.load import fingerprint, load_target, resolve_target
 from draftsmith.train.config import drafter_config, load_config
 from draftsmith.util.precision import hardware
 
@@ -59,7 +59,6 @@ def main(argv=None) -> None:
     cfg = load_config(args.recipe, [])
     args.target = cfg.target
     target, tok = load_target(args.target, args.dtype)
-    ensure_pad(tok)
     names = drafter_module(cfg.drafter["type"]).feature_names(drafter_config(cfg), target.config)
 
     t = time.perf_counter()

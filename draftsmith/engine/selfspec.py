@@ -29,10 +29,9 @@ from torch import nn
 
 from draftsmith import DraftsmithError
 from draftsmith.data.load import encode_prompt, load_prompts
-from draftsmith.data.regenerate import eos_ids
-from draftsmith.eval.speculative import Stats, speculative_decode, target_decode
-from draftsmith.models.common import StudentProposer
-from draftsmith.models.target import fingerprint
+from draftsmith.engine.proposers import StudentProposer
+from draftsmith.engine.speculative import Stats, speculative_decode, target_decode
+from draftsmith.target.load import eos_ids, fingerprint
 
 FILE = "layerskip.json"
 

@@ -27,14 +27,14 @@ import shutil
 from pathlib import Path
 
 from draftsmith import DraftsmithError
-from draftsmith.data import vllm_server
 from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.eval.report import _where, lossless_cell
 from draftsmith.eval.run import evaluate, target_baseline
-from draftsmith.models.common import read_drafter_meta
-from draftsmith.models.export import export, import_export
+from draftsmith.models.folder import read_drafter_meta
 from draftsmith.models.registry import DRAFTERS, drafter_module, load_drafter, target_to_load_on
-from draftsmith.models.target import ensure_pad, load_target, resolve_target
+from draftsmith.ship.export import export, import_export
+from draftsmith.target import vllm_server
+from draftsmith.target.load import load_target, resolve_target
 
 NEAR_TIE_TOLERANCE = 0.03
 
@@ -198,7 +198,6 @@ def serve_check(
         vllm_python = vllm_server.find_python(vllm_python)  # fail before any model loads
     load_prompts(data, num_prompts)  # a bad holdout fails before any model loads, as a bad folder does
     target, tok = load_target(target_name or served_target_name(path), dtype)
-    ensure_pad(tok)
     out.mkdir(parents=True, exist_ok=True)
     export_dir, config, source = prepare(path, out, target, tok, Path(drafter) if drafter else None)
     module = drafter_module(config["draftsmith"]["drafter"])

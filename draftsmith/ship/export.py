@@ -110,8 +110,8 @@ def init_weights(drafter, family: str, path: str | Path, target, allow_stale: bo
     so an EAGLE-3 head keeps its draft vocabulary (d2t/t2d). Another family, another target or
     other shapes fail with the tensor and both shapes named; another target is allowed with
     `allow_stale` (a refresh after the target was updated)."""
-    from draftsmith.models.common import check_fingerprint, load_state, read_drafter_meta
-    from draftsmith.models.target import fingerprint
+    from draftsmith.models.folder import check_fingerprint, load_state, read_drafter_meta
+    from draftsmith.target.load import fingerprint
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -125,8 +125,11 @@ def init_weights(drafter, family: str, path: str | Path, target, allow_stale: bo
     if found != family:
         raise DraftsmithError(f"init_from {path}: holds a {found} drafter, but this recipe trains {family}")
     state = load_state(path) if native else read_export(path, family, target)
-    # A Medusa-2 run may start from Medusa-1 heads (the two stages as two runs).
-    dest = drafter.heads if hasattr(drafter, "heads") and not any(k.startswith("heads.") for k in state) else drafter
+    # The weights may be those of one part of this drafter: a Medusa-2 run may start from Medusa-1
+    # heads (the two stages as two runs). Then they load into the child module they all fit.
+    whole = drafter.state_dict()
+    parts = [m for n, m in drafter.named_children() if all(f"{n}.{k}" in whole for k in state)]
+    dest = parts[0] if parts and not all(k in whole for k in state) else drafter
     own = dest.state_dict()
     for name, tensor in state.items():
         if name not in own:

@@ -1,7 +1,7 @@
 """The memory planner (`draftsmith plan`) against memory measured on this CPU.
 
-    python -m draftsmith.eval.bench.memory                       # every case below
-    python -m draftsmith.eval.bench.memory --case smollm2-eagle3 --out memory/
+    python -m benchmarks.memory                       # every case below
+    python -m benchmarks.memory --case smollm2-eagle3 --out memory/
 
 Each case builds what the training loop builds (the target in its resolved dtype, the drafter, the
 recipe's AdamW), runs one warm-up optimizer step on a micro-batch of `optim.batch_size` random
@@ -34,15 +34,15 @@ from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import MemoryProfileTimeline
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from draftsmith.data.features import target_features
 from draftsmith.models.registry import drafter_module
-from draftsmith.models.target import freeze, load_target
+from draftsmith.target.features import target_features
+from draftsmith.target.load import freeze, load_target
 from draftsmith.train.config import Config, drafter_config, load_config, resolve_precision
 from draftsmith.train.plan import per_rank, sizes, target_bytes
 from draftsmith.util import precision
 
 MiB = 2**20
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 # A tiny Llama (random weights, built from its config: no files) and the 135M embedded target.
 TINY = dict(
     vocab_size=2048,

@@ -13,7 +13,7 @@ FeatureProposer keep a KV cache of their own sequence.
 Layout of the shared target cache (one transformers DynamicCache holding every open row):
 - Prompts are left-padded, so each row's newest column is the last one. `valid` [B', L] marks, per
   row, which cache columns hold its real tokens; the attention mask is `causal_mask` with `valid` as
-  its padding (models/common.py), and position ids count real tokens only, as if each row were fed
+  its padding (draftsmith/util/masks.py), and position ids count real tokens only, as if each row were fed
   unpadded (as in data/regenerate.py `answer_batch`).
 - Each round every open row feeds [its last token, its draft tokens] as one [B', 1 + max K_row]
   block; a row that drafted fewer tokens is padded at the right end of its block and those columns
@@ -41,12 +41,12 @@ import torch
 from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
-from draftsmith.data.features import target_features
-from draftsmith.eval.speculative import Stats, _truncate, target_decode, timed
-from draftsmith.eval.tree import verify_tree_greedy
-from draftsmith.models.common import causal_mask
-from draftsmith.models.drafts import Draft
+from draftsmith.engine.drafts import Draft
+from draftsmith.engine.speculative import Stats, _truncate, target_decode, timed
+from draftsmith.engine.verify import verify_tree_greedy
+from draftsmith.target.features import target_features
 from draftsmith.util.kernels import packed_linears
+from draftsmith.util.masks import causal_mask
 
 BATCH_SIZES_HELP = "positive integers separated by commas, e.g. 1,2,4,8"
 
@@ -258,7 +258,7 @@ def batch_curve(
     with batch_size, tau, target_tokens_per_s, spec_tokens_per_s, speedup, lossless (every speculative
     row equals the unbatched `target_decode` of its prompt) and the counts behind them.
     proposer_factory: a zero-argument factory of proposers (one per row), or None."""
-    from draftsmith.eval.run import proposer_modules  # not at the top: run.py may import this module
+    from draftsmith.engine.proposers import proposer_modules  # not at the top: run.py may import this module
 
     sizes = check_batch_sizes(batch_sizes)
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0

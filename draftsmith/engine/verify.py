@@ -1,4 +1,4 @@
-"""Tree verification: one target pass checks every node of a draft (models/drafts.py).
+"""Tree verification: one target pass checks every node of a draft (draftsmith/engine/drafts.py).
 
 The target verifies every node in one forward pass: node i sits at position (root + depth_i) and
 attends to the verified prefix plus its own ancestors only (tree attention). The verify rules walk
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.models.drafts import Draft
+from draftsmith.engine.drafts import Draft
 
 
 def verification_inputs(draft: Draft, prefix: int, device=None):

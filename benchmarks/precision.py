@@ -1,6 +1,6 @@
 """fp32 vs bf16 on the machine at hand, and what `auto` picks here.
 
-    python -m draftsmith.eval.bench.precision [--target smollm2-135m] [--matmul 1024]
+    python -m benchmarks.precision [--target smollm2-135m] [--matmul 1024]
 
 Times, side by side in one run, for each dtype: one square matmul, one target forward over 1 and
 over 16 new tokens on a 200-token KV cache (plain decoding vs a draft tree's verification), and one
@@ -18,8 +18,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from draftsmith.models import eagle3
-from draftsmith.models.target import load_target
+from draftsmith.models.registry import drafter_module
+from draftsmith.target.load import load_target
 from draftsmith.util import precision
 
 
@@ -59,7 +59,8 @@ def train_step_s(target, dtype: torch.dtype, batch: int = 4, length: int = 128) 
     """One EAGLE-3 step (3 fused layers, 8192-token draft vocab, 3 TTT steps) under autocast, as the
     loop runs it with mixed precision; the target's features are given (offline cache)."""
     layers = target.config.num_hidden_layers
-    cfg = eagle3.DrafterConfig(
+    family = drafter_module("eagle3")
+    cfg = family.DrafterConfig(
         draft_vocab_size=min(8192, target.config.vocab_size),
         ttt_steps=3,
         aux_layers=None if layers >= 6 else [0, layers // 2, layers - 1],
@@ -67,11 +68,11 @@ def train_step_s(target, dtype: torch.dtype, batch: int = 4, length: int = 128) 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (batch, length), generator=g)
     rows = [{"input_ids": r.tolist(), "loss_mask": [0] * 32 + [1] * (length - 32)} for r in ids]
-    drafter = eagle3.build(
+    drafter = family.build(
         cfg, target, {"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows]}
     )
     h = target.config.hidden_size
-    names = eagle3.feature_names(cfg, target.config)
+    names = family.feature_names(cfg, target.config)
     feats = {n: torch.randn(batch, length, h, generator=g).to(next(target.parameters()).dtype) for n in names}
     b = {
         "input_ids": ids,
@@ -81,7 +82,7 @@ def train_step_s(target, dtype: torch.dtype, batch: int = 4, length: int = 128) 
 
     def step():
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            loss, n, _ = eagle3.compute_loss(drafter, target, b, feats, cfg)
+            loss, n, _ = family.compute_loss(drafter, target, b, feats, cfg)
         (loss / n).backward()
 
     return median_s(step, 2)

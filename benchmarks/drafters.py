@@ -1,6 +1,6 @@
 """Any drafters, whatever their family, chain vs tree, greedy and sampled, side by side in one table.
 
-    python -m draftsmith.eval.bench.drafters --drafter eagle=checkpoints/eagle-smollm2/final \\
+    python -m benchmarks.drafters --drafter eagle=checkpoints/eagle-smollm2/final \\
         --drafter eagle3=checkpoints/eagle3-smollm2/final --drafter medusa=checkpoints/medusa1-smollm2/final \\
         --tree dynamic:depth=3,top_k=3,tokens=8 --tree medusa=static:recipes/trees/medusa-4heads.json
 
@@ -27,12 +27,11 @@ from pathlib import Path
 from torch import nn
 
 from draftsmith.data.load import encode_prompt, load_prompts
-from draftsmith.data.regenerate import eos_ids
+from draftsmith.engine.speculative import target_decode
 from draftsmith.eval.report import format_table
 from draftsmith.eval.run import backbone_drift, evaluate, target_baseline
-from draftsmith.eval.speculative import target_decode
 from draftsmith.models.registry import load_drafter, target_to_load_on
-from draftsmith.models.target import ensure_pad, load_target
+from draftsmith.target.load import eos_ids, load_target
 from draftsmith.util.precision import DTYPE_HELP, dtype_arg
 
 
@@ -148,7 +147,6 @@ def main(argv=None) -> None:
     metas = {name: json.loads((Path(path) / "config.json").read_text()) for name, path in drafters.items()}
     target_name = next(iter(metas.values()))["target"]
     target, tok = load_target(target_name, args.dtype)
-    ensure_pad(tok)
     common = dict(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, target_name=target_name)
     reports, costs, baselines = [], {}, {}
 

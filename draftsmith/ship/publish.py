@@ -16,15 +16,14 @@ import torch
 from huggingface_hub import ModelCard, ModelCardData
 
 from draftsmith import DraftsmithError
-from draftsmith.data import vllm_server
 from draftsmith.data.load import encode_prompt, load_prompts
-from draftsmith.data.regenerate import eos_ids
+from draftsmith.engine.speculative import Stats, speculative_decode
 from draftsmith.eval.report import _where, format_table
-from draftsmith.eval.speculative import Stats, speculative_decode
-from draftsmith.models.common import logit_diff
-from draftsmith.models.export import export, import_export
+from draftsmith.models.formats import logit_diff
 from draftsmith.models.registry import drafter_module, load_drafter, target_to_load_on
-from draftsmith.models.target import served_name
+from draftsmith.ship.export import export, import_export
+from draftsmith.target import vllm_server
+from draftsmith.target.load import eos_ids, served_name
 
 # speculators' forward vs draftsmith's drafter, both in fp32 on the same inputs: only the order of
 # operations differs (speculators' flex/eager attention, draftsmith's sdpa): measured 7e-8 on the
@@ -34,24 +33,15 @@ from draftsmith.models.target import served_name
 
 class Recorder:
     """Wraps a proposer and keeps every draft it proposes and every logits row its drafter computed,
-    to compare two drafters round by round. Where the logits come from differs by family, so the tap
-    is on what each proposer calls: FeatureProposer's `logits` function (EAGLE, EAGLE-3), the
-    student's forward (distill), the heads' forward (Medusa)."""
+    to compare two drafters round by round. Every trained drafter's proposer turns its drafter's output
+    into logits through its `logits` function (the Proposer protocol), so the tap goes there."""
 
     def __init__(self, proposer):
         self.proposer, self.drafts, self.logits = proposer, [], []
         self.feature_names = getattr(proposer, "feature_names", ())
         keep = lambda out: self.logits.extend(out.detach().float().reshape(-1, out.shape[-1]))  # noqa: E731
-        if callable(getattr(proposer, "logits", None)):
-            inner = proposer.logits
-            proposer.logits = lambda out: _passed(keep, inner(out))
-        else:
-            module = proposer.student if hasattr(proposer, "student") else proposer.heads
-            module.register_forward_hook(
-                lambda m, args, out: keep(
-                    out.logits if hasattr(out, "logits") else torch.stack([lg.reshape(-1) for lg in out])
-                )
-            )
+        inner = proposer.logits
+        proposer.logits = lambda out: _passed(keep, inner(out))
 
     def reset(self):
         self.proposer.reset()
@@ -60,6 +50,13 @@ class Recorder:
         draft = self.proposer.propose(tokens, feats, k, sampler)
         self.drafts.append(list(draft.tokens))
         return draft
+
+
+def drafting_params(drafter, verifier, target) -> int:
+    """Parameters of the drafting part: a drafter that trained its own backbone (the verifier is not
+    the target) counts without the backbone it verifies with."""
+    backbone = set() if verifier is target else {id(p) for p in verifier.parameters()}
+    return sum(p.numel() for p in drafter.parameters() if id(p) not in backbone)
 
 
 def _passed(keep, logits):
@@ -79,8 +76,9 @@ def verify_export(
     target = target_to_load_on(target, drafter_dir)
     module, cfg, own = load_drafter(drafter_dir, target)
     verifier = module.verifier(own, target)
+    params = drafting_params(own, verifier, target)
     if verifier is not target:  # Medusa-2: the export's heads draft for the exported backbone
-        from draftsmith.models.target import load_target
+        from draftsmith.target.load import load_target
 
         verifier, _ = load_target(
             str(exported / "backbone"), str(next(target.parameters()).dtype).removeprefix("torch.")
@@ -104,7 +102,7 @@ def verify_export(
         "logit_rows": len(rows),
         "max_abs_logit_diff": max((logit_diff(x, y) for x, y in rows), default=0.0),
         "logit_argmax_agreement": round(sum(int(x.argmax() == y.argmax()) for x, y in rows) / max(len(rows), 1), 4),
-        "params": sum(p.numel() for p in getattr(own, "heads", own).parameters()),
+        "params": params,
     }
     # Both sides run the same code on the same weights in the same dtype, so the logits agree up to
     # rounding unless the export says something else than what was trained (e.g. another RoPE): a
@@ -220,7 +218,7 @@ def _lossless_words(report: dict) -> list[str]:
 
 
 def _served_words(served: dict) -> str:
-    from draftsmith.eval.serve_check import summary
+    from draftsmith.ship.serve_check import summary
 
     return (
         f"The export was {summary(served)}, on {served['num_prompts']} holdout prompts × "
@@ -328,7 +326,7 @@ def publish(
         raise DraftsmithError(f"publish: the export does not draft like the drafter ({parity})")
     served = None
     if vllm_server.available():  # the engine users deploy: the card states its figures, not only ours
-        from draftsmith.eval.serve_check import serve_check
+        from draftsmith.ship.serve_check import serve_check
 
         served = serve_check(
             tmp,

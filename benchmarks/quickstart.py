@@ -1,6 +1,6 @@
 """Benchmark the quickstart drafter against target-only decoding and prompt lookup, side by side.
 
-    python -m draftsmith.eval.bench.quickstart --drafter checkpoints/eagle3-smollm2/final [--tree SPEC]
+    python -m benchmarks.quickstart --drafter checkpoints/eagle3-smollm2/final [--tree SPEC]
 
 Same process, same prompts, same target: target-only (none), n-gram prompt lookup, the trained
 drafter. Prints the eval table, speedups relative to target-only, the drafter's training time
@@ -19,7 +19,7 @@ from pathlib import Path
 from draftsmith.eval.report import format_table
 from draftsmith.eval.run import evaluate, make_baseline
 from draftsmith.models.registry import load_drafter
-from draftsmith.models.target import ensure_pad, load_target
+from draftsmith.target.load import load_target
 from draftsmith.util import precision
 
 
@@ -37,7 +37,6 @@ def main(argv=None) -> None:
 
     meta = json.loads((Path(args.drafter) / "config.json").read_text())
     target, tok = load_target(meta["target"])
-    ensure_pad(tok)
     module, dcfg, drafter = load_drafter(args.drafter, target)
     common = dict(
         k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, target_name=meta["target"]

@@ -1,6 +1,6 @@
 """Staleness: what a drafter loses when its target is updated, and what a short refresh buys back.
 
-    python -m draftsmith.eval.bench.staleness --drafter checkpoints/eagle3-smollm2/final \\
+    python -m benchmarks.staleness --drafter checkpoints/eagle3-smollm2/final \\
         --recipe recipes/cpu/eagle3-smollm2.yaml --out staleness/
 
 1. **update**: the target is fine-tuned with LoRA (peft) on another domain's answers (`--update-data`,
@@ -33,7 +33,7 @@ from draftsmith.data.load import read_records, to_messages, tokenize_example
 from draftsmith.eval.report import format_table
 from draftsmith.eval.run import backbone_drift, evaluate
 from draftsmith.models.registry import load_drafter
-from draftsmith.models.target import ensure_pad, fingerprint, load_target
+from draftsmith.target.load import fingerprint, load_target
 from draftsmith.util import precision
 
 
@@ -109,7 +109,6 @@ def main(argv=None) -> None:
 
     meta = json.loads((Path(args.drafter) / "config.json").read_text())
     target, tok = load_target(meta["target"], "auto")
-    ensure_pad(tok)
     updated_dir = out / "updated-target"
     t0 = time.perf_counter()
     if not updated_dir.is_dir():

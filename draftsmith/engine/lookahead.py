@@ -7,8 +7,8 @@ before it. Any fixed point is the greedy continuation, but a single window seldo
 of the verified text, so the paper harvests n-grams from the Jacobi *trajectories* into a pool and
 verifies up to G pool n-grams that start with the last verified token, in the same pass.
 
-How it maps onto this engine (eval/speculative.py): each round the proposer returns one Draft
-(models/drafts.py) that the target scores in one pass with tree attention:
+How it maps onto this engine (draftsmith/engine/speculative.py): each round the proposer returns one Draft
+(draftsmith/engine/drafts.py) that the target scores in one pass with tree attention:
   - verification branch: up to G pool n-grams keyed by the root (the last verified token), each a
     chain of N-1 tokens under the root, as the paper's verification branch;
   - lookahead branch: the current Jacobi window w_0..w_{W-1} as one chain under the root.
@@ -35,7 +35,7 @@ What differs from the paper:
     paper initialises its window.
   - Sampling: the Jacobi update uses the target's argmax in every case, and every node is chosen
     deterministically (qs = None, q = one-hot), so the engine's sibling-by-sibling rejection rule
-    (eval/tree.py) keeps sampling exactly lossless; the paper gives its own sampling verification.
+    (draftsmith/engine/verify.py) keeps sampling exactly lossless; the paper gives its own sampling verification.
 
 HybridProposer picks, round by round, prompt lookup when the context repeats itself and a trained
 drafter otherwise (the rule is in its docstring).
@@ -50,8 +50,8 @@ from collections import deque
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.eval.speculative import NgramProposer
-from draftsmith.models.drafts import Draft
+from draftsmith.engine.drafts import Draft
+from draftsmith.engine.proposers import NgramProposer
 
 Run = tuple[int, list[int]]  # (absolute position of the first token, tokens at consecutive positions)
 
@@ -214,9 +214,9 @@ class HybridProposer:
     follow it.
       - No match: the model's draft (`propose` chain or `propose_tree` tree), alone ("model").
       - A match, chain drafts: the lookup chain alone ("lookup"); the model is not called. Chains
-        stay chains (batched decoding verifies chains only, eval/batched.py), and a sampled model
+        stay chains (batched decoding verifies chains only, draftsmith/engine/batched.py), and a sampled model
         chain could not share a draft anyway: a sampled child must be an only child for the
-        sibling-by-sibling rule (eval/tree.py `verify_tree_sampled`).
+        sibling-by-sibling rule (draftsmith/engine/verify.py `verify_tree_sampled`).
       - A match, tree drafts: the lookup chain is grafted onto the model's tree as one more root
         path (`graft`; tree nodes are deterministic top-k picks), so the target judges both guesses
         in one pass and keeps the longer accepted one ("both"). Greedy acceptance along the merged
@@ -285,7 +285,7 @@ def graft(draft: Draft, chain: list[int]) -> Draft:
     """`draft` plus `chain` as a path from the root, in place: where the draft already has the next
     chain token as a child, the path goes through that node; otherwise a deterministic node (q = None)
     is appended (parents still precede children). Grafting stops under a node whose children were
-    sampled: those must stay only children (eval/tree.py `verify_tree_sampled`)."""
+    sampled: those must stay only children (draftsmith/engine/verify.py `verify_tree_sampled`)."""
     node = -1
     for x in chain:
         kids = draft.children(node)

@@ -1,6 +1,6 @@
 """What one target verification pass costs as the draft grows: the budget a draft tree spends.
 
-    python -m draftsmith.eval.bench.verify_cost --dtypes float32 bfloat16
+    python -m benchmarks.verify_cost --dtypes float32 bfloat16
 
 For each precision and each set of kernels (torch's default, and the prepacked oneDNN linears the
 eval stage decodes with in fp32 on CPU, draftsmith/util/kernels.py): the wall time of one target forward over
@@ -18,7 +18,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from draftsmith.models.target import load_target
+from draftsmith.target.load import load_target
 from draftsmith.util.kernels import packed_linears
 from draftsmith.util.precision import describe, dtype_arg, hardware
 

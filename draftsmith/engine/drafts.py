@@ -1,4 +1,4 @@
-"""Drafts: what a proposer hands the verifier (eval/tree.py), chains and trees alike.
+"""Drafts: what a proposer hands the verifier (draftsmith/engine/verify.py), chains and trees alike.
 
 A chain of K drafts is the tree where node j's parent is node j-1. EAGLE-2 (Li et al. 2024,
 "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees", arXiv:2406.16858) grows

@@ -1,6 +1,6 @@
 """A tiny target of a real architecture, built from its config and trained in seconds, with no hub.
 
-    python -m draftsmith.eval.bench.tiny_target OUT [--arch Qwen/Qwen3-8B] [--layers 4] [--steps 160] [--device cuda]
+    python -m benchmarks.tiny_target OUT [--arch Qwen/Qwen3-8B] [--layers 4] [--steps 160] [--device cuda]
 
 The test suite's fixtures and `scripts/gpu-check.sh` share it: a character-level tokenizer (one token
 per character, ChatML turns), the architecture's config at test size (models/known.py `tiny_config`:

@@ -1,6 +1,6 @@
 """How often a verification pass and a one-token decode step disagree on the target's own argmax.
 
-    python -m draftsmith.eval.bench.near_ties [--target smollm2-135m] [--dtypes float32,bfloat16] [--k 3]
+    python -m benchmarks.near_ties [--target smollm2-135m] [--dtypes float32,bfloat16] [--k 3]
 
 For each holdout prompt, the target decodes greedily one token per pass (the reference; the engine's
 target-only path). Then the same tokens are scored again the way speculative decoding scores them: the
@@ -20,10 +20,10 @@ import torch
 from transformers import DynamicCache
 
 from draftsmith.data.load import encode_prompt, load_prompts
-from draftsmith.eval.speculative import target_decode, verification_forward
-from draftsmith.eval.tree import verification_inputs
-from draftsmith.models.drafts import Draft
-from draftsmith.models.target import ensure_pad, load_target
+from draftsmith.engine.drafts import Draft
+from draftsmith.engine.speculative import target_decode, verification_forward
+from draftsmith.engine.verify import verification_inputs
+from draftsmith.target.load import load_target
 from draftsmith.util import precision
 from draftsmith.util.kernels import packed_linears
 
@@ -54,7 +54,6 @@ def flips(target, prompt: list[int], ref: list[int], k: int) -> tuple[int, int, 
 
 def measure(target_name: str, dtype: str, holdout: str, prompts: int, max_new: int, k: int) -> dict:
     target, tok = load_target(target_name, dtype)
-    ensure_pad(tok)
     scored, flipped, gaps = 0, 0, []
     with packed_linears(target):  # the eval's kernels (fp32 only; bf16 keeps torch's)
         for item in load_prompts(holdout, prompts):

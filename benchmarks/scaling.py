@@ -1,6 +1,6 @@
 """Training throughput, 1 vs 2 processes on this machine: plain DDP, DeepSpeed ZeRO-2 and ZeRO-3.
 
-    python -m draftsmith.eval.bench.scaling --recipe recipes/cpu/eagle3-smollm2.yaml --steps 12 --out scaling/
+    python -m benchmarks.scaling --recipe recipes/cpu/eagle3-smollm2.yaml --steps 12 --out scaling/
 
 Every row is a real `launch.sh` run of the recipe (the command a user types), `--steps` optimizer
 steps with the eval stage off, on the same global batch: 2 processes get half the recipe's
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from draftsmith.util import precision
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SETUPS = {  # name -> launch.sh flags, given the process count
     "ddp": lambda n: ["--cpu-procs", str(n)] if n > 1 else [],
     "zero2": lambda n: ["--preset", "zero2", "--cpu-procs", str(n)],

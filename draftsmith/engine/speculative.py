@@ -1,6 +1,6 @@
 """Speculative decoding with KV caches for target and drafter: chains or trees, greedy or sampled.
 
-One round: the drafter proposes a draft (a chain of K tokens or a tree, models/drafts.py); the target
+One round: the drafter proposes a draft (a chain of K tokens or a tree, draftsmith/engine/drafts.py); the target
 scores [last token, draft nodes] in one forward pass with tree attention; a verify rule keeps one
 root-to-leaf path and adds one token from the target. Greedy keeps drafts equal to the target's
 argmax (output identical to target-only greedy); sampling uses the Leviathan rejection rule,
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from draftsmith.data.features import target_features
-from draftsmith.eval.tree import rule_exact, verification_inputs, verify_tree_greedy, verify_tree_sampled
-from draftsmith.models.common import keep_cache_positions
-from draftsmith.models.drafts import Draft, TreeSpec
+from draftsmith.engine.cache import keep_cache_positions
+from draftsmith.engine.drafts import Draft, TreeSpec
+from draftsmith.engine.verify import rule_exact, verification_inputs, verify_tree_greedy, verify_tree_sampled
+from draftsmith.target.features import target_features
 
 
 @dataclass
@@ -34,9 +34,7 @@ class Stats:
     accepted_at: list[int] = field(default_factory=list)
     seconds: float = 0.0
     new_tokens: int = 0  # all generated tokens (prefill token included), for tokens/s
-    rule_breaks: int = (
-        0  # greedy rounds whose emitted tokens are not the rule's for that pass (eval/tree.py rule_exact)
-    )
+    rule_breaks: int = 0  # greedy rounds whose emitted tokens are not the rule's for that pass (draftsmith/engine/verify.py rule_exact)
 
     def __post_init__(self):
         self.reached = self.reached or [0] * self.k
@@ -100,31 +98,6 @@ def _truncate(tokens: list[int], eos: set[int]) -> list[int]:
         if t in eos:
             return tokens[: i + 1]
     return tokens
-
-
-class NgramProposer:
-    """Prompt-lookup decoding (Saxena 2023): find the latest earlier occurrence of the last n
-    tokens (n = max_ngram..1) and propose the k tokens that followed it. No training, no features."""
-
-    feature_names = ()
-
-    def __init__(self, max_ngram: int = 3):
-        self.max_ngram = max_ngram
-
-    def reset(self):
-        pass
-
-    def propose(self, tokens: torch.Tensor, feats, k: int, sampler=None) -> Draft:
-        # Deterministic proposals: under sampling they count as q = one-hot (see verify_tree_sampled).
-        seq = tokens[0].tolist()
-        for n in range(min(self.max_ngram, len(seq) - 1), 0, -1):
-            tail = seq[-n:]
-            for start in range(len(seq) - n - 1, -1, -1):
-                if seq[start : start + n] == tail:
-                    follow = seq[start + n : start + n + k]
-                    if follow:
-                        return Draft.chain(follow)
-        return Draft()
 
 
 def timed(fn, *args, **kwargs):
@@ -233,7 +206,7 @@ def speculative_decode(
         budget = max_new - (len(tokens) - len(prompt))
         new = _truncate(new[:budget], eos)
         # Some training-free drafters learn from the target's outputs on their own nodes (lookahead
-        # decoding's Jacobi step, eval/lookahead.py): logits[0] row 0 = after the root, 1+i = after node i.
+        # decoding's Jacobi step, draftsmith/engine/lookahead.py): logits[0] row 0 = after the root, 1+i = after node i.
         if hasattr(proposer, "observe"):
             proposer.observe(draft, logits[0], path, new)
         tokens += new
