@@ -27,6 +27,7 @@ from pathlib import Path
 from torch import nn
 
 from draftsmith.data.load import encode_prompt, load_prompts
+from draftsmith.engine.proposers import Proposer
 from draftsmith.engine.speculative import target_decode
 from draftsmith.eval.report import format_table
 from draftsmith.eval.run import backbone_drift, evaluate, target_baseline
@@ -35,11 +36,12 @@ from draftsmith.target.load import eos_ids, load_target
 from draftsmith.util.precision import DTYPE_HELP, dtype_arg
 
 
-class TimedProposer:
+class TimedProposer(Proposer):
     """Wraps a proposer and adds up the wall time spent drafting and the draft steps taken."""
 
     def __init__(self, proposer):
         self.inner, self.feature_names = proposer, proposer.feature_names
+        self.max_depth, self.drafts_trees = proposer.max_depth, proposer.drafts_trees
         self.seconds, self.rounds, self.steps = 0.0, 0, 0
 
     def reset(self):
@@ -167,7 +169,7 @@ def main(argv=None) -> None:
         verifier = module.verifier(drafter, own)
         timed = TimedProposer(module.make_proposer(drafter, verifier, dcfg))
         tree = tree_for(name, module, args.tree)
-        trees = [dict(tree=tree)] if tree and hasattr(timed.inner, "propose_tree") else []  # a student drafts chains
+        trees = [dict(tree=tree)] if tree and timed.drafts_trees else []  # a student drafts chains
         k = k_for(name, args.k)
         runs = [dict(k=k)] + trees
         if args.temperature > 0:

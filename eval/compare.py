@@ -95,7 +95,10 @@ def compare(drafters: list[str], holdouts: list[str], target, tok, out: Path | N
         shared = target_baseline(target, tok, holdout, **kwargs)  # target-only, once per holdout
         for path, label, proposer, verifier, tree in loaded:
             # A drafter verified by its own trained backbone (Medusa-2) needs that backbone's baseline.
-            run = {**kwargs, "tree": tree or (kwargs.get("tree") if hasattr(proposer, "propose_tree") else None)}
+            run = {
+                **kwargs,
+                "tree": tree or (kwargs.get("tree") if proposer is not None and proposer.drafts_trees else None),
+            }
             r = evaluate(
                 proposer, label, verifier, tok, holdout, None, **run, baseline=shared if verifier is target else None
             )

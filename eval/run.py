@@ -68,10 +68,11 @@ def evaluate(
         raise DraftsmithError(
             "--batch-sizes: batched decoding is greedy with chain drafts; drop --tree and --temperature"
         )
-    if spec is not None and not hasattr(proposer, "propose_tree"):
+    if spec is not None and (proposer is None or not proposer.drafts_trees):
         raise DraftsmithError(f"--tree: drafter '{name}' proposes chains only; drop --tree or use a trained drafter")
     depth = spec.depth if spec is not None else k
-    if depth > getattr(proposer, "max_depth", depth):  # e.g. Medusa: one head per draft position
+    most = proposer.max_depth if proposer is not None else None
+    if most is not None and depth > most:  # e.g. Medusa: one head per draft position
         raise DraftsmithError(
             f"{'--tree' if spec else '--k'}: drafts {depth} deep, but drafter '{name}' drafts at "
             f"most {proposer.max_depth} tokens per round"
@@ -95,9 +96,8 @@ def evaluate(
         # Warm up both paths once so one-time allocation costs do not bias the first timing.
         target_decode(target, prompts[0][:8], max_new_tokens, eos, sampler(0))
         speculative_decode(target, proposer, prompts[0][:8], k, max_new_tokens, eos, sampler(0), tree=spec)
-        if hasattr(proposer, "reset_stats"):  # proposers that count their own levels (cascades) skip the warm-up
+        if proposer is not None:  # a proposer's own counters (a cascade's levels) skip the warm-up
             proposer.reset_stats()
-        sources = dict(getattr(proposer, "draft_sources", {}))  # a hybrid counts its drafts by source
         for n, prompt in enumerate(tqdm(prompts, desc=f"eval {name}")):
             ref, s_ref = (
                 baseline[n] if baseline else timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
@@ -148,10 +148,8 @@ def evaluate(
         # read later means nothing without it.
         **hardware(device),
     }
-    if hasattr(proposer, "level_stats"):  # a cascade: τ and acceptance at each level
-        report["levels"] = proposer.level_stats()
-    if sources:  # a hybrid: how many drafts of this eval came from each source
-        report["draft_sources"] = {src: n - sources[src] for src, n in proposer.draft_sources.items()}
+    if proposer is not None:  # e.g. a cascade's levels, a hybrid's drafts by source
+        report.update(proposer.stats())
     if batch_sizes:
         report["batch_curve"] = batch_curve(
             target, tok, fresh_copies(proposer), prompts, batch_sizes, k, max_new_tokens, eos, kernels

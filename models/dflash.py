@@ -42,6 +42,7 @@ from transformers.models.llama.modeling_llama import (
 
 from draftsmith import DraftsmithError
 from draftsmith.engine.drafts import Draft
+from draftsmith.engine.proposers import Proposer
 from draftsmith.models.eagle import layer_config
 from draftsmith.models.eagle3 import aux_features, speculators_load_check
 from draftsmith.models.folder import load_state
@@ -315,7 +316,7 @@ def slot_weights(cfg: DrafterConfig, confidence: torch.Tensor, mask: torch.Tenso
 # --- inference ---------------------------------------------------------------------------------------
 
 
-class BlockProposer:
+class BlockProposer(Proposer):
     """DFlash drafting as vLLM's DFlashProposer: one drafter pass per round over the block
     [bonus x_{n-1}, m x k] at positions n-1 .. n-1+k, attending to every verified position 0..n-2
     and the whole block. The ctx K/V of verified positions are cached across rounds (they depend on

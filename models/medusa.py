@@ -36,6 +36,7 @@ from torch import nn
 
 from draftsmith import DraftsmithError
 from draftsmith.engine.drafts import Draft
+from draftsmith.engine.proposers import Proposer
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import vllm_snippet, write_tensors
 from draftsmith.models.interface import no_consumer_check
@@ -401,7 +402,7 @@ def compute_loss(model, target, batch: dict, feats: dict, cfg: DrafterConfig, st
     return kl + lambda0(cfg, step) * heads_loss, n, metrics
 
 
-class MedusaProposer:
+class MedusaProposer(Proposer):
     """Medusa drafting: every head reads the hidden state of the last token the target processed.
 
     The engine passes the target features of x_0..x_{n-2}; the target's lm_head at x_{n-2} already
@@ -409,6 +410,7 @@ class MedusaProposer:
     """
 
     feature_names = ("last_hidden",)
+    drafts_trees = True  # static trees
 
     def __init__(self, heads: MedusaHeads):
         self.heads = heads.eval()

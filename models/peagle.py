@@ -31,6 +31,7 @@ from transformers import DynamicCache
 from draftsmith import DraftsmithError
 from draftsmith.engine.cache import crop_cache
 from draftsmith.engine.drafts import Draft
+from draftsmith.engine.proposers import Proposer
 from draftsmith.models.eagle import unroll_activation_bytes
 from draftsmith.models.eagle3 import (
     Eagle3Drafter,
@@ -196,7 +197,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     return loss, n0.long(), metrics
 
 
-class ParallelProposer:
+class ParallelProposer(Proposer):
     """P-EAGLE drafting: one drafter pass per round over the real pairs not cached yet, the bonus
     slot among them (pair (target features of x_{n-2}, x_{n-1}) at position n-2), and k-1 mask slots
     at positions n-1.., causal. The drafter's KV cache keeps the real pairs across rounds; the mask

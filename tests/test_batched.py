@@ -10,7 +10,7 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.engine.batched import batch_curve, parse_batch_sizes, speculative_decode_batch, target_decode_batch
 from draftsmith.engine.drafts import Draft
-from draftsmith.engine.proposers import NgramProposer
+from draftsmith.engine.proposers import NgramProposer, Proposer
 from draftsmith.engine.speculative import Stats, speculative_decode, target_decode
 from draftsmith.models import eagle, eagle3
 from tests.conftest import make_target
@@ -112,7 +112,7 @@ def test_perfect_drafter_in_a_batch_gets_full_acceptance(lively):
     assert stats.passes == rounds * len(prompts)  # one pass per row per round
 
 
-class Recorder:
+class Recorder(Proposer):
     """Wraps a proposer and records what the engine hands it: tokens and target features."""
 
     def __init__(self, inner, calls):

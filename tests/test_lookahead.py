@@ -12,7 +12,7 @@ from torch import nn
 from draftsmith import DraftsmithError
 from draftsmith.engine.drafts import Draft, parse_tree
 from draftsmith.engine.lookahead import HybridProposer, LookaheadProposer, graft, suffix_match, trie_draft
-from draftsmith.engine.proposers import NgramProposer
+from draftsmith.engine.proposers import NgramProposer, Proposer
 from draftsmith.engine.speculative import Sampler, Stats, speculative_decode, target_decode
 from draftsmith.engine.verify import verify_tree_greedy
 from draftsmith.models import distill, eagle
@@ -175,7 +175,7 @@ def test_verification_branch_is_keyed_by_the_root_and_shares_prefixes():
 # --- hybrid: the rule, attributes, skipped model proposers ---------------------------------------
 
 
-class Recorder:
+class Recorder(Proposer):
     """A model proposer that drafts 99s and records its calls."""
 
     feature_names = ("last_hidden",)
@@ -193,6 +193,8 @@ class Recorder:
 
 
 class TreeRecorder(Recorder):
+    drafts_trees = True
+
     def propose_tree(self, tokens, feats, spec):
         self.calls.append("propose_tree")
         return Draft.chain([98] * spec.depth)
@@ -240,7 +242,7 @@ def test_hybrid_picks_lookup_or_model_by_its_rule(seq, k, min_match, source):
 def test_hybrid_delegates_what_the_engine_reads():
     chain_only = HybridProposer(NgramProposer(), Recorder())
     assert chain_only.feature_names == ("last_hidden",) and chain_only.max_depth == 6
-    assert not hasattr(chain_only, "propose_tree") and not hasattr(chain_only, "observe")
+    assert not chain_only.drafts_trees and HybridProposer(NgramProposer(), TreeRecorder()).drafts_trees
     model = TreeRecorder()
     tree = HybridProposer(NgramProposer(), model)
     spec = parse_tree("dynamic:depth=4")

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from draftsmith.engine.drafts import Draft
-from draftsmith.engine.proposers import NgramProposer
+from draftsmith.engine.proposers import NgramProposer, Proposer
 from draftsmith.engine.speculative import Stats, speculative_greedy, target_greedy
 from draftsmith.models import eagle
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """A "drafter" that reads the target's own greedy continuation: the ideal drafter."""
 
     feature_names = ()

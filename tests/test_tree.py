@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
 from draftsmith.engine.drafts import Draft, grow_tree, parse_tree
+from draftsmith.engine.proposers import Proposer
 from draftsmith.engine.speculative import Sampler, Stats, speculative_decode, target_greedy
 from draftsmith.engine.verify import verification_inputs
 from draftsmith.models import eagle, eagle3
@@ -117,11 +118,12 @@ def test_greedy_tree_decoding_is_lossless(tiny_target, tree):
         assert stats.emitted == len(ref) - 1
 
 
-class OracleTree:
+class OracleTree(Proposer):
     """Puts the target's greedy continuation on the *second* branch under a wrong first sibling at
     every depth, so acceptance needs tree attention and non-contiguous cache selection."""
 
     feature_names = ()
+    drafts_trees = True
 
     def __init__(self, target, depth):
         self.target, self.depth = target, depth

@@ -42,6 +42,7 @@ from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
 from draftsmith.engine.drafts import Draft
+from draftsmith.engine.proposers import proposer_modules
 from draftsmith.engine.speculative import Stats, _truncate, target_decode, timed
 from draftsmith.engine.verify import verify_tree_greedy
 from draftsmith.target.features import target_features
@@ -196,7 +197,7 @@ def speculative_decode_batch(
     if not prompts:
         return []
     proposers = [make_proposer() if make_proposer is not None else None for _ in prompts]
-    names = tuple(getattr(proposers[0], "feature_names", ()))
+    names = () if proposers[0] is None else tuple(proposers[0].feature_names)
     batch, feats, first, real = _prefill(target, prompts, pad_id, names)
     device = batch.valid.device
     tokens = [list(p) + [t] for p, t in zip(prompts, first)]
@@ -222,7 +223,7 @@ def speculative_decode_batch(
             kept[i, : 1 + len(path)] = True
             row_feats[b] = {n: torch.cat([row_feats[b][n], feats[n][i : i + 1, : 1 + len(path)]], dim=1) for n in names}
             new = _truncate(new[: max_new - (len(tokens[b]) - len(prompts[b]))], eos)
-            if hasattr(proposers[b], "observe"):  # as in speculative_decode (lookahead's Jacobi step)
+            if proposers[b] is not None:  # as in speculative_decode (lookahead's Jacobi step)
                 proposers[b].observe(draft, row_logits, path, new)
             tokens[b] += new
             if stats is not None:
@@ -258,12 +259,10 @@ def batch_curve(
     with batch_size, tau, target_tokens_per_s, spec_tokens_per_s, speedup, lossless (every speculative
     row equals the unbatched `target_decode` of its prompt) and the counts behind them.
     proposer_factory: a zero-argument factory of proposers (one per row), or None."""
-    from draftsmith.engine.proposers import proposer_modules  # not at the top: run.py may import this module
-
     sizes = check_batch_sizes(batch_sizes)
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
     probe = proposer_factory() if proposer_factory is not None else None
-    if k > getattr(probe, "max_depth", k):  # e.g. Medusa: one head per draft position
+    if probe is not None and probe.max_depth is not None and k > probe.max_depth:  # e.g. Medusa: one head per position
         raise DraftsmithError(
             f"--k: drafts {k} deep, but this drafter drafts at most {probe.max_depth} tokens per round"
         )

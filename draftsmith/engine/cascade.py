@@ -28,14 +28,14 @@ from transformers import DynamicCache
 from draftsmith import DraftsmithError
 from draftsmith.engine.cache import crop_cache
 from draftsmith.engine.drafts import Draft
-from draftsmith.engine.proposers import StudentProposer, resync
+from draftsmith.engine.proposers import Proposer, StudentProposer, resync
 from draftsmith.engine.speculative import Stats
 
 # Counters pooled over every round of every prompt (reset() keeps them, like the engine's Stats).
 COUNTERS = ("rounds", "mid_passes", "mid_tokens", "mid_synced", "low_proposed", "low_accepted")
 
 
-class CascadeProposer:
+class CascadeProposer(Proposer):
     """Chain drafts for the target = the mid model's greedy continuation, found by speculative
     decoding of the mid with `low` as its drafter.
 
@@ -49,7 +49,7 @@ class CascadeProposer:
     def __init__(self, low, mid, mid_k: int | None = None):
         if mid_k is not None and mid_k < 0:
             raise DraftsmithError(f"--cascade: mid_k must be >= 0, got {mid_k}")
-        self.low, self.mid, self.mid_k = low, (mid.eval() if hasattr(mid, "eval") else mid), mid_k
+        self.low, self.mid, self.mid_k = low, (mid.eval() if isinstance(mid, torch.nn.Module) else mid), mid_k
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.reset()
 
@@ -60,6 +60,9 @@ class CascadeProposer:
 
     def reset_stats(self):
         self.counts = dict.fromkeys(COUNTERS, 0)
+
+    def stats(self) -> dict:
+        return {"levels": self.level_stats()}  # τ and acceptance at each level
 
     def _verify(self, pending: list[int], drafts: list[int], device) -> list[int]:
         """One mid pass over [pending..., drafts...] -> the accepted drafts + the mid's own next token.
@@ -151,8 +154,8 @@ def _vocab(model, target) -> int | None:
 
 def _check_low(low, name: str, target, where: str):
     """The cheap level: a token-only chain proposer, or a causal LM (drafting as a StudentProposer)."""
-    if hasattr(low, "propose"):
-        if tuple(getattr(low, "feature_names", ())):
+    if isinstance(low, Proposer):
+        if tuple(low.feature_names):
             raise DraftsmithError(
                 f"{where}: level 1 '{name}' reads target features, which no one computes for the "
                 "intermediate's tokens; the cheap level must read tokens only (ngram, a distilled "
@@ -171,7 +174,7 @@ def _check_mid(mid, name: str, target, where: str):
     """The intermediate must verify: a causal LM with a KV cache, with logits over the target's vocabulary."""
     if isinstance(mid, StudentProposer):  # a loaded student or layer-skip folder: verify with its model
         mid = mid.model
-    vocab = None if hasattr(mid, "propose") else _vocab(mid, target)
+    vocab = None if isinstance(mid, Proposer) else _vocab(mid, target)
     if vocab is None:
         raise DraftsmithError(
             f"{where}: level 2 '{name}' cannot verify drafts; the intermediate must be a model "

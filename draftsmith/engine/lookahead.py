@@ -51,7 +51,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.engine.drafts import Draft
-from draftsmith.engine.proposers import NgramProposer
+from draftsmith.engine.proposers import NgramProposer, Proposer
 
 Run = tuple[int, list[int]]  # (absolute position of the first token, tokens at consecutive positions)
 
@@ -86,12 +86,13 @@ def suffix_match(seq: list[int], max_ngram: int, k: int) -> tuple[int, list[int]
     return 0, []
 
 
-class LookaheadProposer:
+class LookaheadProposer(Proposer):
     """Lookahead decoding with window W, n-gram size N and at most G verified n-grams per round
     (module docstring: how it maps onto the paper). No training, no target features; it needs the
     engine's `observe` call after each verification to run the Jacobi iteration."""
 
     feature_names = ()
+    drafts_trees = True
 
     def __init__(self, window: int = 5, ngram: int = 3, guesses: int = 3, seed: int = 0):
         for name, value, low in (("window W", window, 1), ("ngram N", ngram, 2), ("guesses G", guesses, 0)):
@@ -204,7 +205,7 @@ class LookaheadProposer:
                 self._remember(gram)
 
 
-class HybridProposer:
+class HybridProposer(Proposer):
     """Prompt lookup and a trained drafter: either one, or both judged in one verification pass.
 
     Each round, with d = the draft depth (k for chains, spec.depth for trees): take the longest
@@ -236,18 +237,20 @@ class HybridProposer:
             )
         self.lookup, self.model, self.min_match = lookup, model, min_match
         self.feature_names = tuple(model.feature_names)  # the engine passes these target features
-        if hasattr(model, "max_depth"):  # e.g. Medusa: at most one draft per head
-            self.max_depth = model.max_depth
-        if hasattr(model, "propose_tree"):  # only then may the engine ask for trees
-            self.propose_tree = self._propose_tree
-        if hasattr(model, "observe"):
-            self.observe = self._observe
+        self.max_depth = model.max_depth  # e.g. Medusa: at most one draft per head
+        self.drafts_trees = model.drafts_trees  # only then may the engine ask for trees
         self.last = ""  # "model", "both" or "lookup": what the latest draft holds
         self.draft_sources = {"model": 0, "both": 0, "lookup": 0}  # drafts of each kind, over all prompts
 
     def reset(self) -> None:
         self.lookup.reset()
         self.model.reset()
+
+    def reset_stats(self) -> None:
+        self.draft_sources = dict.fromkeys(self.draft_sources, 0)
+
+    def stats(self) -> dict:
+        return {"draft_sources": dict(self.draft_sources)}  # how many drafts came from each source
 
     def __copy__(self) -> "HybridProposer":
         """Batched decoding makes one proposer per row by copy + reset (eval/run.py `fresh_copies`): each
@@ -270,12 +273,12 @@ class HybridProposer:
             return self._pick("model", self.model.propose(tokens, feats, k, sampler))
         return self._pick("lookup", Draft.chain(chain))
 
-    def _propose_tree(self, tokens: torch.Tensor, feats: dict, spec) -> Draft:
+    def propose_tree(self, tokens: torch.Tensor, feats: dict, spec) -> Draft:
         chain = self.choose(tokens[0].tolist(), spec.depth)
         draft = self.model.propose_tree(tokens, feats, spec)
         return self._pick("model", draft) if chain is None else self._pick("both", graft(draft, chain))
 
-    def _observe(self, draft: Draft, logits: torch.Tensor, path: list[int], new: list[int]) -> None:
+    def observe(self, draft: Draft, logits: torch.Tensor, path: list[int], new: list[int]) -> None:
         """Forward the target's verdict to a model proposer that learns from it, on its own drafts only."""
         if self.last != "lookup":  # grafted nodes come after the model's own, whose indices are unchanged
             self.model.observe(draft, logits, path, new)

@@ -3,12 +3,54 @@ has this shape (`Proposer`); the generic ones live here, a family's own in its m
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 from transformers import DynamicCache
 
+from draftsmith import DraftsmithError
 from draftsmith.engine.cache import crop_cache
 from draftsmith.engine.drafts import Draft, grow_tree
 from draftsmith.util.masks import causal_mask
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """What the engine asks of every drafter, trained (a family's `make_proposer`) or training-free
+    (n-gram, lookahead, layer-skip, cascade, hybrid). A proposer class subclasses this protocol and
+    inherits the defaults of the optional parts, so the engine never probes for them:
+
+    - `feature_names`: the target features `propose` reads (draftsmith/target/features.py); () = tokens only.
+    - `max_depth`: the most draft tokens it proposes per round (Medusa: one per head; a block drafter:
+      its block), None = any.
+    - `drafts_trees`: `propose_tree` may be called (`--tree`).
+    - `reset()`: a new prompt. `propose(tokens [1, n], feats, k, sampler)`: a chain Draft of at most k
+      tokens. `propose_tree(tokens, feats, spec)`: a tree Draft, when `drafts_trees`.
+    - `observe(draft, logits, path, new)`: the target's logits on the draft's nodes after each round
+      (lookahead's Jacobi step learns from them).
+    - `reset_stats()` and `stats()`: the proposer's own counters (a cascade's levels, a hybrid's draft
+      sources), started after the eval's warm-up and added to its report.
+    """
+
+    feature_names: tuple[str, ...] = ()
+    max_depth: int | None = None
+    drafts_trees: bool = False
+
+    def reset(self) -> None: ...
+
+    def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> Draft: ...
+
+    def propose_tree(self, tokens: torch.Tensor, feats: dict, spec) -> Draft:
+        raise DraftsmithError("--tree: this drafter proposes chains only")
+
+    def observe(self, draft: Draft, logits: torch.Tensor, path: list[int], new: list[int]) -> None:
+        return None
+
+    def reset_stats(self) -> None:
+        return None
+
+    def stats(self) -> dict:
+        return {}
 
 
 def proposer_modules(proposer) -> list[torch.nn.Module]:
@@ -18,12 +60,12 @@ def proposer_modules(proposer) -> list[torch.nn.Module]:
     for value in vars(proposer).values() if proposer is not None else ():
         if isinstance(value, torch.nn.Module):
             found.append(value)
-        elif hasattr(value, "propose"):
+        elif isinstance(value, Proposer):
             found += proposer_modules(value)
     return found
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt-lookup decoding (Saxena 2023): find the latest earlier occurrence of the last n
     tokens (n = max_ngram..1) and propose the k tokens that followed it. No training, no features."""
 
@@ -48,7 +90,7 @@ class NgramProposer:
         return Draft()
 
 
-class FeatureProposer:
+class FeatureProposer(Proposer):
     """Chain and tree drafting for feature-space drafters (EAGLE-1, EAGLE-3), with the drafter's KV cache.
 
     The engine passes all tokens x_0..x_{n-1} and the target features of x_0..x_{n-2} (everything
@@ -63,6 +105,8 @@ class FeatureProposer:
     With a `sampler` (temperature > 0), chain drafts are sampled and keep their distribution q for
     the rejection rule; otherwise drafts are the argmax (chains) or top-k expansions (trees).
     """
+
+    drafts_trees = True
 
     def __init__(self, drafter, target, feature_names, to_hidden, step, logits):
         self.drafter = drafter.eval()
@@ -133,7 +177,7 @@ def resync(proposer, ids: list[int]) -> list[int]:
     return ids[same:]
 
 
-class StudentProposer:
+class StudentProposer(Proposer):
     """Chain drafting by a causal LM (a distilled student, the target with layers skipped) with its
     own KV cache. Each round the cache keeps the longest prefix of what it was fed that the accepted
     tokens still agree with; the rest is fed in one pass."""

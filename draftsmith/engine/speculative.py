@@ -172,7 +172,7 @@ def speculative_decode(
     token and every draft node in one forward pass; the verify rule keeps one path and adds one
     target token."""
     device = next(target.parameters()).device
-    names = getattr(proposer, "feature_names", ())
+    names = () if proposer is None else proposer.feature_names
     cache = DynamicCache()
     feats, logits = verification_forward(target, prompt, cache, device, names)
     first = logits[0, -1]
@@ -207,7 +207,7 @@ def speculative_decode(
         new = _truncate(new[:budget], eos)
         # Some training-free drafters learn from the target's outputs on their own nodes (lookahead
         # decoding's Jacobi step, draftsmith/engine/lookahead.py): logits[0] row 0 = after the root, 1+i = after node i.
-        if hasattr(proposer, "observe"):
+        if proposer is not None:
             proposer.observe(draft, logits[0], path, new)
         tokens += new
         if stats is not None:

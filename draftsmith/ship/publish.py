@@ -17,6 +17,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from draftsmith import DraftsmithError
 from draftsmith.data.load import encode_prompt, load_prompts
+from draftsmith.engine.proposers import Proposer
 from draftsmith.engine.speculative import Stats, speculative_decode
 from draftsmith.eval.report import _where, format_table
 from draftsmith.models.formats import logit_diff
@@ -31,14 +32,14 @@ from draftsmith.target.load import eos_ids, served_name
 # (reversed aux layer ids: 0.37, argmax agreement 13%, in tests/test_publish.py).
 
 
-class Recorder:
+class Recorder(Proposer):
     """Wraps a proposer and keeps every draft it proposes and every logits row its drafter computed,
     to compare two drafters round by round. Every trained drafter's proposer turns its drafter's output
     into logits through its `logits` function (the Proposer protocol), so the tap goes there."""
 
     def __init__(self, proposer):
         self.proposer, self.drafts, self.logits = proposer, [], []
-        self.feature_names = getattr(proposer, "feature_names", ())
+        self.feature_names, self.max_depth = proposer.feature_names, proposer.max_depth
         keep = lambda out: self.logits.extend(out.detach().float().reshape(-1, out.shape[-1]))  # noqa: E731
         inner = proposer.logits
         proposer.logits = lambda out: _passed(keep, inner(out))
