@@ -16,8 +16,9 @@ import os
 import resource
 from pathlib import Path
 
+from draftsmith.eval.drafters import make_baseline
 from draftsmith.eval.report import format_table
-from draftsmith.eval.run import evaluate, make_baseline
+from draftsmith.eval.run import evaluate
 from draftsmith.models.registry import load_drafter
 from draftsmith.target.load import load_target
 from draftsmith.util import precision

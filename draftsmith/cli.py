@@ -122,7 +122,7 @@ def checked_out(out: Path, force: bool) -> Path:
 def cmd_eval(args) -> None:
     from draftsmith.data.load import load_prompts
     from draftsmith.engine.batched import parse_batch_sizes
-    from draftsmith.eval.compare import load_proposer, parse_drafter, trained_folders
+    from draftsmith.eval.drafters import parse_drafter, resolve, trained_folders
     from draftsmith.eval.report import format_table, require_rule_exact
     from draftsmith.eval.run import evaluate, evaluate_drafter
     from draftsmith.models.folder import read_drafter_meta
@@ -162,8 +162,8 @@ def cmd_eval(args) -> None:
         tree=args.tree,
         batch_sizes=batch_sizes,
     )
-    if not trained:  # training-free drafters and combinations (eval/compare.py `load_proposer`)
-        label, proposer, verifier, tree = load_proposer(args.drafter, target, args.allow_stale)
+    if not trained:  # training-free drafters and combinations (eval/drafters.py `resolve`)
+        label, proposer, verifier, tree = resolve(args.drafter, target, args.allow_stale)
         report = evaluate(proposer, label, verifier, tok, args.data, out, **{**common, "tree": tree or args.tree})
     else:
         module, dcfg, drafter = load_drafter(path, target, allow_stale=args.allow_stale)
@@ -178,7 +178,8 @@ def cmd_eval(args) -> None:
 def cmd_compare(args) -> None:
     from draftsmith.data.load import load_prompts
     from draftsmith.engine.batched import parse_batch_sizes
-    from draftsmith.eval.compare import compare, compare_table, trained_folders
+    from draftsmith.eval.compare import compare, compare_table
+    from draftsmith.eval.drafters import trained_folders
     from draftsmith.eval.report import require_rule_exact
     from draftsmith.models.folder import read_drafter_meta
     from draftsmith.target.load import load_target

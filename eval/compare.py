@@ -1,7 +1,7 @@
 """`draftsmith compare`: N drafters x M holdouts in one process, on the same prompts, with the
 target-only baseline measured once per holdout -> compare.json, compare.md, compare.png.
 
-A drafter is anything `load_proposer` resolves: a trained drafter folder, a layer-skip folder
+A drafter is anything `eval/drafters.py resolve` resolves: a trained drafter folder, a layer-skip folder
 (`draftsmith layerskip`), `none`, `ngram`, `lookahead`, `hybrid:PATH` or `cascade:LOW,MID`; a trained
 one optionally with its own draft tree: `PATH@static:recipes/trees/medusa-4heads.json` or
 `PATH@dynamic:depth=3,top_k=3,tokens=8`.
@@ -14,82 +14,16 @@ import shutil
 from pathlib import Path
 
 from draftsmith import DraftsmithError
-from draftsmith.engine import selfspec
-from draftsmith.engine.cascade import build_cascade, parse_cascade
-from draftsmith.engine.lookahead import HybridProposer, LookaheadProposer
-from draftsmith.engine.proposers import NgramProposer
+from draftsmith.eval.drafters import parse_drafter, resolve
 from draftsmith.eval.report import LOSSLESS_NOTE, lossless_cell
-from draftsmith.eval.run import evaluate, make_baseline, target_baseline
-from draftsmith.models.registry import load_drafter, target_to_load_on
-
-
-def parse_drafter(spec: str) -> tuple[str, str | None]:
-    """`PATH[@TREE]` -> (path, tree spec or None)."""
-    path, _, tree = spec.partition("@")
-    return path, tree or None
-
-
-TRAINING_FREE = "none, ngram, lookahead, hybrid:PATH, cascade:LOW,MID, a layer-skip folder"
-
-
-def trained_folders(spec: str) -> list[str]:
-    """The trained drafter folders a drafter spec names (to read their metadata before loading any model)."""
-    path = parse_drafter(spec)[0]
-    if path.startswith("hybrid:"):
-        return trained_folders(path.removeprefix("hybrid:"))
-    if path.startswith("cascade:"):
-        return [p for level in parse_cascade(path.removeprefix("cascade:")) for p in trained_folders(level)]
-    if path in ("none", "ngram") or path.split(":")[0] == "lookahead" or (Path(path) / selfspec.FILE).is_file():
-        return []
-    return [path]
-
-
-def load_proposer(spec: str, target, allow_stale: bool = False) -> tuple[str, object, object, str | None]:
-    """Every drafter a user can name -> (label, proposer, verifier, tree spec or None):
-    - `none` (target-only), `ngram` (prompt lookup), `lookahead[:W=5,N=3,G=3]` (Jacobi window W,
-      n-gram size N, G pool n-grams per round; draftsmith/engine/lookahead.py);
-    - `hybrid:PATH`: prompt lookup when the context repeats itself, the trained drafter at PATH otherwise;
-    - `cascade:LOW,MID`: LOW (`ngram` or a student folder) drafts for MID (a distilled student or a
-      layer-skip folder), whose greedy continuation the target verifies (draftsmith/engine/cascade.py);
-    - a layer-skip folder (`draftsmith layerskip`), or a trained drafter folder, `PATH@TREE` for a tree.
-    The verifier is the target, except for a drafter that trained its backbone (Medusa-2)."""
-    path, tree = parse_drafter(spec)
-    if path in ("none", "ngram"):
-        return path, make_baseline(path), target, tree
-    if path.split(":")[0] == "lookahead":  # `lookahead` or `lookahead:W=5,N=3,G=3`
-        proposer = LookaheadProposer.from_spec(path)
-        return proposer.spec(), proposer, target, None
-    if path.startswith("hybrid:"):
-        inner = path.removeprefix("hybrid:")
-        _, model, verifier, tree = load_proposer(inner + (f"@{tree}" if tree else ""), target, allow_stale)
-        return f"hybrid ({Path(inner).parent.name or inner})", HybridProposer(NgramProposer(), model), verifier, tree
-    if path.startswith("cascade:"):
-        names = parse_cascade(path.removeprefix("cascade:"))
-        levels = [NgramProposer() if n == "ngram" else load_proposer(n, target, allow_stale)[1] for n in names]
-        return (
-            f"cascade ({', '.join(Path(n).parent.name if Path(n).name == 'final' else Path(n).name for n in names)})",
-            build_cascade(levels, names, target),
-            target,
-            None,
-        )
-    if (Path(path) / selfspec.FILE).is_file():  # a training-free layer-skip choice
-        return f"layerskip ({Path(path).name})", selfspec.load(path, target), target, None
-    own = target_to_load_on(target, path)
-    module, dcfg, drafter = load_drafter(path, own, allow_stale)
-    verifier = module.verifier(drafter, own)
-    return (
-        f"{module.NAME} ({Path(path).parent.name or path})",
-        module.make_proposer(drafter, verifier, dcfg),
-        verifier,
-        tree,
-    )
+from draftsmith.eval.run import evaluate, target_baseline
 
 
 def compare(drafters: list[str], holdouts: list[str], target, tok, out: Path | None, **kwargs) -> list[dict]:
     """kwargs: evaluate's flags (k, num_prompts, max_new_tokens, temperature, top_p, tree, target_name)."""
     if not drafters or not holdouts:
         raise DraftsmithError("compare: give at least one --drafter and one --data")
-    loaded = [(parse_drafter(spec)[0], *load_proposer(spec, target)) for spec in drafters]
+    loaded = [(parse_drafter(spec)[0], *resolve(spec, target)) for spec in drafters]
     reports = []
     for holdout in holdouts:
         shared = target_baseline(target, tok, holdout, **kwargs)  # target-only, once per holdout

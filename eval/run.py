@@ -12,17 +12,12 @@ from draftsmith import DraftsmithError
 from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.engine.batched import batch_curve
 from draftsmith.engine.drafts import parse_tree
-from draftsmith.engine.proposers import NgramProposer, proposer_modules
+from draftsmith.engine.proposers import proposer_modules
 from draftsmith.engine.speculative import Sampler, Stats, speculative_decode, target_decode, timed
 from draftsmith.eval.report import write_report
 from draftsmith.target.load import eos_ids
 from draftsmith.util.kernels import packed_linears
 from draftsmith.util.precision import hardware
-
-
-def make_baseline(name: str):
-    """`none` (target-only decoding) or `ngram` (prompt lookup): no training, no checkpoint."""
-    return NgramProposer() if name == "ngram" else None
 
 
 @torch.no_grad()

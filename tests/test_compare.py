@@ -93,7 +93,8 @@ def test_allow_stale_is_required_for_another_target_and_the_report_marks_it(
 
 def test_compare_gives_the_numbers_separate_evals_give(tiny_target_dir, chat_jsonl, tmp_path):
     from draftsmith.eval.compare import compare
-    from draftsmith.eval.run import evaluate, make_baseline
+    from draftsmith.eval.drafters import make_baseline
+    from draftsmith.eval.run import evaluate
     from draftsmith.target.load import load_target
 
     target, tok = load_target(str(tiny_target_dir))
