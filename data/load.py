@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from draftsmith import DraftsmithError
+from draftsmith.data.corpus import builtin_corpus
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -105,8 +106,6 @@ def located_records(spec: str, split: str = "train") -> list[tuple[str, dict | D
     otherwise. A jsonl line that is no JSON object comes as the error saying so, for the caller to
     skip or raise (`Malformed`). `split`: as in `read_records`."""
     if spec.startswith("builtin:"):
-        from draftsmith.data.corpus import builtin_corpus
-
         rows = builtin_corpus(spec.removeprefix("builtin:"))
     elif Path(spec).suffix == ".jsonl":
         if not Path(spec).is_file():

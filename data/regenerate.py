@@ -28,9 +28,11 @@ from transformers import DynamicCache
 from draftsmith.data.features import ShardWriter
 from draftsmith.data.load import encode_prompt, load_prompts, require_chat_template
 from draftsmith.data.sharding import Shard
+from draftsmith.target import vllm_server
 from draftsmith.target.features import target_features
 from draftsmith.target.load import eos_ids
 from draftsmith.util.kernels import packed_linears
+from draftsmith.util.precision import torch_dtype
 
 
 @torch.no_grad()
@@ -239,8 +241,6 @@ def regenerate_vllm(
     like `regenerate`: each answer is appended to OUT.partial as it arrives; a rerun skips those.
     Sampled answers take seed + id, so a resumed run asks each prompt exactly what it would have.
     `extra` passes to `vllm serve` unchanged (e.g. --tensor-parallel-size 8 --data-parallel-size 2)."""
-    from draftsmith.target import vllm_server
-    from draftsmith.util.precision import torch_dtype
 
     prompts = _prompts(tok, data, max_examples, split, malformed)
     out, partial = Path(out), _partial(out)

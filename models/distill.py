@@ -31,6 +31,7 @@ from draftsmith.engine.cache import crop_cache
 from draftsmith.engine.proposers import StudentProposer
 from draftsmith.models.formats import vllm_method, vllm_snippet
 from draftsmith.models.interface import no_consumer_check, no_held_out_metrics, target_as_original, trains_target_never
+from draftsmith.models.known import model_config
 from draftsmith.models.training import frozen_target, keep_config, layer_activation_bytes, lora_config, single_group
 from draftsmith.target.features import target_features, unpack_topk
 from draftsmith.util.losses import DIVERGENCES, expected_acceptance
@@ -178,8 +179,6 @@ def build(cfg: DrafterConfig, target, dataset=None):
     if cfg.init == "truncate":
         student = truncated_student(target, cfg).to(dtype)
     elif next(target.parameters()).is_meta:  # `plan` sizes the run from configs alone: no download
-        from draftsmith.models.known import model_config
-
         student = AutoModelForCausalLM.from_config(model_config(cfg.init, what="drafter.init"))
     else:
         check_tokenizer(cfg.init, target)

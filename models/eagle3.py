@@ -43,6 +43,7 @@ from draftsmith.models.formats import (
 from draftsmith.models.interface import no_held_out_metrics, target_as_original, trains_target_never
 from draftsmith.models.training import draft_vocab, frozen_target, single_group, target_label_rows
 from draftsmith.target.features import target_features
+from draftsmith.target.load import resolve_target, served_name
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, topk_distillation_loss
 from draftsmith.util.masks import causal_mask, ttt_mask
 
@@ -407,7 +408,6 @@ def write_sglang(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info
 
 
 def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
-    from draftsmith.target.load import served_name
 
     state = renamed(drafter.state_dict(), "midlayer.", "layers.0.")
     # vLLM keeps a drafter's own embed_tokens when it differs from the target's, so ship the
@@ -517,8 +517,6 @@ def speculators_load_check(exported: Path) -> tuple[dict, object]:
 
     from safetensors.torch import load_file
     from speculators import SpeculatorModel
-
-    from draftsmith.target.load import resolve_target
 
     config = json.loads((exported / "config.json").read_text())
     local = resolve_target(config["draftsmith"]["target"])

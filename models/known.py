@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from transformers import AutoConfig, PretrainedConfig
 
+from draftsmith import DraftsmithError
+from draftsmith.target.load import resolve_target
+
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -148,8 +151,6 @@ KNOWN_CONFIGS: dict[str, dict] = {
 def model_config(name: str, cache_dir: str = "", what: str = "target") -> PretrainedConfig:
     """The config of a target or a distill student (`what` names it in the error): the published one
     for the models above, so every GPU recipe plans offline, else its config.json."""
-    from draftsmith import DraftsmithError
-    from draftsmith.target.load import resolve_target
 
     known = known_config(name)
     if known is not None:

@@ -41,6 +41,8 @@ from draftsmith.models.folder import load_state
 from draftsmith.models.formats import vllm_snippet, write_tensors
 from draftsmith.models.interface import no_consumer_check
 from draftsmith.models.training import draft_vocab, keep_config, layer_activation_bytes, lora_config
+from draftsmith.target.features import target_features
+from draftsmith.target.load import freeze
 from draftsmith.util.losses import forward_kl, soft_cross_entropy
 
 NAME = "medusa"
@@ -235,7 +237,6 @@ class Medusa2(nn.Module):
     def merged(self):
         """A plain transformers model of the trained backbone (adapters merged into a copy), frozen:
         the new target that verifies the heads' drafts."""
-        from draftsmith.target.load import freeze
 
         if not self.lora:
             return freeze(copy.deepcopy(self.backbone))
@@ -588,7 +589,6 @@ def held_out_metrics(drafter, verifier, sequences) -> dict:
     """Per head k: how often its top-1 at position t is token t+k+2 of the verifier's own greedy answer,
     over the answer's positions (from the last prompt token on). `sequences()` -> [(prompt length,
     prompt + answer ids)], computed only when asked."""
-    from draftsmith.target.features import target_features
 
     heads = getattr(drafter, "heads", drafter)  # Medusa-2: the drafting part, without the backbone
     k_heads, device = len(heads.blocks), heads.blocks[0].layers[0].linear.weight.device

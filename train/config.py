@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.engine.drafts import parse_tree
+from draftsmith.models.registry import DEFAULT_DRAFTER, drafter_module
+from draftsmith.target.load import resolve_target
 from draftsmith.util import precision
 from draftsmith.util.parse import _merge, from_dict, parse_overrides, read_yaml
 
@@ -69,7 +72,6 @@ class DataConfig:
         """`regenerate_vllm`'s keyword arguments for `regenerate_engine: vllm` (None for hf)."""
         if self.regenerate_engine != "vllm":
             return None
-        from draftsmith.target.load import resolve_target
 
         return {
             "target": str(resolve_target(target, cache_dir)),
@@ -123,7 +125,6 @@ class EvalConfig:
 
 
 def _default_drafter() -> str:
-    from draftsmith.models.registry import DEFAULT_DRAFTER
 
     return DEFAULT_DRAFTER
 
@@ -179,8 +180,6 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
     raw = read_yaml(recipe) if recipe else {}
     raw = _merge(raw, parse_overrides(overrides or []))
     # Imported only now: the registry pulls in transformers (seconds), and a missing file should not wait.
-    from draftsmith.engine.drafts import parse_tree
-    from draftsmith.models.registry import drafter_module
 
     where = str(recipe) if recipe else "config"
     cfg = from_dict(Config, raw, where)
@@ -201,7 +200,6 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
 
 
 def drafter_config(cfg: Config) -> Any:
-    from draftsmith.models.registry import drafter_module
 
     d = dict(cfg.drafter)
     module = drafter_module(d.pop("type"), "drafter.type")
@@ -229,8 +227,6 @@ def _validate(cfg: Config, where: str) -> None:
     for key in PRECISION_KEYS:  # names only here; `auto` is resolved on the run's device (resolve_precision)
         precision.check(_get(cfg, key), f"{where}: {key}")
     if cfg.eval.tree:
-        from draftsmith.engine.drafts import parse_tree
-
         parse_tree(cfg.eval.tree, f"{where}: eval.tree")
 
 

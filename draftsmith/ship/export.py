@@ -17,13 +17,16 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith import DraftsmithError
+from draftsmith.models.folder import check_fingerprint, load_state, read_drafter_meta
+from draftsmith.models.registry import DRAFTERS, drafter_module, load_drafter
+from draftsmith.target.load import fingerprint
+from draftsmith.util.parse import from_dict
 
 
 def export(drafter_dir: str | Path, target, fmt: str, out: str | Path, tok=None) -> Path:
     """Write `out/` in format `fmt` through the family's writer (`EXPORTS[fmt]`): into a temp folder,
     renamed into place when complete. `tok`: the target's tokenizer, for formats that ship one (a
     student's folder, a Medusa-2 export's trained backbone)."""
-    from draftsmith.models.registry import load_drafter
 
     module, cfg, drafter = load_drafter(drafter_dir, target)  # checks the target fingerprint
     if fmt not in module.EXPORTS:
@@ -53,7 +56,6 @@ def export_family(path: str | Path) -> str:
     """Which drafter family an exported folder holds: its `draftsmith` section, else the first family
     (in registry order) that `recognises` its config and tensor names: heads published for a target
     by others, in the formats the engines load."""
-    from draftsmith.models.registry import DRAFTERS
 
     path = Path(path)
     try:
@@ -74,7 +76,6 @@ def export_family(path: str | Path) -> str:
 
 def read_export(path: str | Path, family: str, target) -> dict[str, torch.Tensor]:
     """An exported folder's weights under draftsmith's own tensor names for `family`."""
-    from draftsmith.models.registry import drafter_module
 
     return drafter_module(family).read_export(Path(path), target)
 
@@ -82,8 +83,6 @@ def read_export(path: str | Path, family: str, target) -> dict[str, torch.Tensor
 def import_export(path: str | Path, target):
     """An exported folder -> (module, drafter config, drafter) in draftsmith's own layout, rebuilt
     from the exported files alone (their config and weights) on `target`."""
-    from draftsmith.models.registry import drafter_module
-    from draftsmith.util.parse import from_dict
 
     config = json.loads((Path(path) / "config.json").read_text())
     info = config.get("draftsmith")
@@ -110,8 +109,6 @@ def init_weights(drafter, family: str, path: str | Path, target, allow_stale: bo
     so an EAGLE-3 head keeps its draft vocabulary (d2t/t2d). Another family, another target or
     other shapes fail with the tensor and both shapes named; another target is allowed with
     `allow_stale` (a refresh after the target was updated)."""
-    from draftsmith.models.folder import check_fingerprint, load_state, read_drafter_meta
-    from draftsmith.target.load import fingerprint
 
     path = Path(path)
     if not (path / "config.json").is_file():

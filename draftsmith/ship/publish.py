@@ -23,8 +23,9 @@ from draftsmith.eval.report import _where, format_table
 from draftsmith.models.formats import logit_diff
 from draftsmith.models.registry import drafter_module, load_drafter, target_to_load_on
 from draftsmith.ship.export import export, import_export
+from draftsmith.ship.serve_check import serve_check, summary
 from draftsmith.target import vllm_server
-from draftsmith.target.load import eos_ids, served_name
+from draftsmith.target.load import eos_ids, load_target, served_name
 
 # speculators' forward vs draftsmith's drafter, both in fp32 on the same inputs: only the order of
 # operations differs (speculators' flex/eager attention, draftsmith's sdpa): measured 7e-8 on the
@@ -79,8 +80,6 @@ def verify_export(
     verifier = module.verifier(own, target)
     params = drafting_params(own, verifier, target)
     if verifier is not target:  # Medusa-2: the export's heads draft for the exported backbone
-        from draftsmith.target.load import load_target
-
         verifier, _ = load_target(
             str(exported / "backbone"), str(next(target.parameters()).dtype).removeprefix("torch.")
         )
@@ -219,7 +218,6 @@ def _lossless_words(report: dict) -> list[str]:
 
 
 def _served_words(served: dict) -> str:
-    from draftsmith.ship.serve_check import summary
 
     return (
         f"The export was {summary(served)}, on {served['num_prompts']} holdout prompts × "
@@ -327,8 +325,6 @@ def publish(
         raise DraftsmithError(f"publish: the export does not draft like the drafter ({parity})")
     served = None
     if vllm_server.available():  # the engine users deploy: the card states its figures, not only ours
-        from draftsmith.ship.serve_check import serve_check
-
         served = serve_check(
             tmp,
             (report or {}).get("holdout", "builtin:code-holdout"),
