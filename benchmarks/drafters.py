@@ -41,7 +41,9 @@ class TimedProposer(Proposer):
 
     def __init__(self, proposer):
         self.inner, self.feature_names = proposer, proposer.feature_names
-        self.max_depth, self.drafts_trees = proposer.max_depth, proposer.drafts_trees
+        # No max_depth: one K for every row; a drafter with fewer positions (Medusa: one per head)
+        # drafts what it has, as it does in vLLM.
+        self.drafts_trees = proposer.drafts_trees
         self.seconds, self.rounds, self.steps = 0.0, 0, 0
 
     def reset(self):
