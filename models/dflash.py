@@ -45,14 +45,12 @@ from draftsmith.engine.drafts import Draft
 from draftsmith.engine.proposers import Proposer
 from draftsmith.models.eagle import layer_config
 from draftsmith.models.eagle3 import aux_features, speculators_load_check
+from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import from_exported_head, llama_dims, vllm_method, vllm_snippet, write_tensors
-from draftsmith.models.interface import no_held_out_metrics, target_as_original, trains_target_never
 from draftsmith.models.training import (
-    frozen_target,
     layer_activation_bytes,
     mask_token,
-    single_group,
     target_label_rows,
 )
 from draftsmith.target.load import served_name
@@ -375,8 +373,6 @@ def make_proposer(drafter, target, cfg: DrafterConfig) -> BlockProposer:
 
 
 # One module trained at optim.lr; the target stays frozen and is its own original.
-param_groups, verifier = single_group, frozen_target
-trains_target, original = trains_target_never, target_as_original
 
 
 def _init_fields(config: dict) -> dict:
@@ -507,5 +503,23 @@ def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, e
     return max(body + attn + logits, 4 * min(batch * length, 4096) * tc.vocab_size)
 
 
-DEFAULT_TREE = None  # chains: one slot per draft
-held_out_metrics = no_held_out_metrics
+FAMILY = Family(
+    NAME=NAME,
+    DrafterConfig=DrafterConfig,
+    feature_names=feature_names,
+    max_draft_depth=max_draft_depth,
+    build=build,
+    rebuild=rebuild,
+    compute_loss=compute_loss,
+    activation_bytes=activation_bytes,
+    make_proposer=make_proposer,
+    EXPORTS=EXPORTS,
+    recognises=recognises,
+    read_export=read_export,
+    from_export=from_export,
+    serving_snippet=serving_snippet,
+    SERVE_FORMAT=SERVE_FORMAT,
+    vllm_serving=vllm_serving,
+    consumer_check=consumer_check,
+    from_init=from_init,
+)

@@ -29,10 +29,10 @@ from draftsmith import DraftsmithError
 from draftsmith.data.batching import collate
 from draftsmith.engine.cache import crop_cache
 from draftsmith.engine.proposers import StudentProposer
+from draftsmith.models.family import Family
 from draftsmith.models.formats import vllm_method, vllm_snippet
-from draftsmith.models.interface import no_consumer_check, no_held_out_metrics, target_as_original, trains_target_never
 from draftsmith.models.known import model_config
-from draftsmith.models.training import frozen_target, keep_config, layer_activation_bytes, lora_config, single_group
+from draftsmith.models.training import layer_activation_bytes, lora_config
 from draftsmith.target.features import target_features, unpack_topk
 from draftsmith.util.losses import DIVERGENCES, expected_acceptance
 
@@ -231,8 +231,6 @@ def rebuild(meta: dict, target):
 
 
 # The student is one module trained at optim.lr, and the target stays frozen.
-param_groups, verifier = single_group, frozen_target
-from_init = keep_config  # its config does not depend on the drafter it starts from
 
 
 def compute_loss(student, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
@@ -367,8 +365,6 @@ def from_export(path, config: dict, cfg: DrafterConfig, target):
 
 
 # The target is never trained: it is its own original (Medusa-2 differs).
-trains_target, original = trains_target_never, target_as_original
-consumer_check = no_consumer_check  # no engine-side loader of its formats runs here
 
 
 def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
@@ -393,5 +389,21 @@ def activation_bytes(cfg: DrafterConfig, tc, student, batch: int, length: int, e
     )
 
 
-DEFAULT_TREE = None  # benchmarks' tree: none, a student drafts chains
-held_out_metrics = no_held_out_metrics  # nothing beyond the eval's own figures
+FAMILY = Family(
+    NAME=NAME,
+    DrafterConfig=DrafterConfig,
+    feature_names=feature_names,
+    max_draft_depth=max_draft_depth,
+    build=build,
+    rebuild=rebuild,
+    compute_loss=compute_loss,
+    activation_bytes=activation_bytes,
+    make_proposer=make_proposer,
+    EXPORTS=EXPORTS,
+    recognises=recognises,
+    read_export=read_export,
+    from_export=from_export,
+    serving_snippet=serving_snippet,
+    SERVE_FORMAT=SERVE_FORMAT,
+    vllm_serving=vllm_serving,
+)

@@ -22,10 +22,10 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from draftsmith.engine.proposers import FeatureProposer
+from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import from_exported_head, llama_dims, renamed, vllm_method, vllm_snippet, write_tensors
-from draftsmith.models.interface import no_consumer_check, no_held_out_metrics, target_as_original, trains_target_never
-from draftsmith.models.training import frozen_target, keep_config, layer_activation_bytes, single_group
+from draftsmith.models.training import layer_activation_bytes
 from draftsmith.util.losses import smooth_l1_feature_loss, soft_cross_entropy, topk_distillation_loss
 from draftsmith.util.masks import ttt_mask
 
@@ -205,8 +205,6 @@ def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
 
 
 # The drafter is one module trained at optim.lr, and the target it reads stays frozen.
-param_groups, verifier = single_group, frozen_target
-from_init = keep_config  # its config does not depend on the drafter it starts from
 
 
 # vLLM serves this family's `vllm` export as speculative method `eagle` (draftsmith/ship/serve_check.py).
@@ -255,8 +253,6 @@ def from_export(path, config: dict, cfg: DrafterConfig, target) -> EagleDrafter:
 
 
 # The target is never trained: it is its own original (Medusa-2 differs).
-trains_target, original = trains_target_never, target_as_original
-consumer_check = no_consumer_check  # no engine-side loader of its formats runs here
 
 
 def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
@@ -293,4 +289,24 @@ def sglang_snippet(algorithm: str, repo_id: str, target: str, k: int) -> str:
 
 
 DEFAULT_TREE = "dynamic:depth=3,top_k=3,tokens=8"  # benchmarks' tree (EAGLE-2 dynamic)
-held_out_metrics = no_held_out_metrics  # nothing beyond the eval's own figures
+
+
+FAMILY = Family(
+    NAME=NAME,
+    DrafterConfig=DrafterConfig,
+    feature_names=feature_names,
+    max_draft_depth=max_draft_depth,
+    build=build,
+    rebuild=rebuild,
+    compute_loss=compute_loss,
+    activation_bytes=activation_bytes,
+    make_proposer=make_proposer,
+    EXPORTS=EXPORTS,
+    recognises=recognises,
+    read_export=read_export,
+    from_export=from_export,
+    serving_snippet=serving_snippet,
+    SERVE_FORMAT=SERVE_FORMAT,
+    vllm_serving=vllm_serving,
+    DEFAULT_TREE=DEFAULT_TREE,
+)

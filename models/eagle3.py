@@ -30,6 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from draftsmith import DraftsmithError
 from draftsmith.engine.proposers import FeatureProposer
 from draftsmith.models.eagle import layer_config, sglang_snippet, unroll_activation_bytes
+from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import (
     from_exported_head,
@@ -40,8 +41,7 @@ from draftsmith.models.formats import (
     vllm_snippet,
     write_tensors,
 )
-from draftsmith.models.interface import no_held_out_metrics, target_as_original, trains_target_never
-from draftsmith.models.training import draft_vocab, frozen_target, single_group, target_label_rows
+from draftsmith.models.training import draft_vocab, target_label_rows
 from draftsmith.target.features import target_features
 from draftsmith.target.load import resolve_target, served_name
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, topk_distillation_loss
@@ -371,7 +371,6 @@ def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
 
 
 # The drafter is one module trained at optim.lr, and the target it reads stays frozen.
-param_groups, verifier = single_group, frozen_target
 # from_init (above): a fine-tune reads the aux layers of the head it starts from.
 
 
@@ -466,7 +465,6 @@ def from_export(path, config: dict, cfg: DrafterConfig, target) -> Eagle3Drafter
 
 
 # The target is never trained: it is its own original (Medusa-2 differs).
-trains_target, original = trains_target_never, target_as_original
 
 
 def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
@@ -626,4 +624,26 @@ def _to_target_vocab(small: torch.Tensor, d2t: torch.Tensor, vocab: int) -> torc
 
 
 DEFAULT_TREE = "dynamic:depth=3,top_k=3,tokens=8"  # benchmarks' tree (EAGLE-2 dynamic)
-held_out_metrics = no_held_out_metrics  # nothing beyond the eval's own figures
+
+
+FAMILY = Family(
+    NAME=NAME,
+    DrafterConfig=DrafterConfig,
+    feature_names=feature_names,
+    max_draft_depth=max_draft_depth,
+    build=build,
+    rebuild=rebuild,
+    compute_loss=compute_loss,
+    activation_bytes=activation_bytes,
+    make_proposer=make_proposer,
+    EXPORTS=EXPORTS,
+    recognises=recognises,
+    read_export=read_export,
+    from_export=from_export,
+    serving_snippet=serving_snippet,
+    SERVE_FORMAT=SERVE_FORMAT,
+    vllm_serving=vllm_serving,
+    consumer_check=consumer_check,
+    from_init=from_init,
+    DEFAULT_TREE=DEFAULT_TREE,
+)

@@ -47,7 +47,7 @@ def no_held_out_metrics(drafter, verifier, sequences) -> dict:
     return {}
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: tests swap an entry (monkeypatch) to plant a failure
 class Family:
     # What it is, and what it reads of the target.
     NAME: str

@@ -37,10 +37,10 @@ from torch import nn
 from draftsmith import DraftsmithError
 from draftsmith.engine.drafts import Draft
 from draftsmith.engine.proposers import Proposer
+from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import vllm_snippet, write_tensors
-from draftsmith.models.interface import no_consumer_check
-from draftsmith.models.training import draft_vocab, keep_config, layer_activation_bytes, lora_config
+from draftsmith.models.training import draft_vocab, layer_activation_bytes, lora_config
 from draftsmith.target.features import target_features
 from draftsmith.target.load import freeze
 from draftsmith.util.losses import forward_kl, soft_cross_entropy
@@ -459,7 +459,6 @@ def verifier(drafter, target):
 
 # vLLM serves this family's `vllm` export as speculative method `medusa` (draftsmith/ship/serve_check.py).
 SERVE_FORMAT = "vllm"
-from_init = keep_config  # its config does not depend on the drafter it starts from
 
 
 def vllm_serving(export_dir, export_config: dict, k: int) -> tuple[dict, list[str]]:
@@ -562,9 +561,6 @@ def original(drafter, target):
         yield target
 
 
-consumer_check = no_consumer_check  # no engine-side loader of its format runs here
-
-
 def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
     return vllm_snippet("medusa", repo_id, target, k)
 
@@ -603,3 +599,29 @@ def held_out_metrics(drafter, verifier, sequences) -> dict:
                 hits[k] += int((pred == full[0, [t + k + 2 for t in ts]]).sum())
                 counts[k] += len(ts)
     return {"head_top1": [round(h / max(c, 1), 4) for h, c in zip(hits, counts)]}
+
+
+FAMILY = Family(
+    NAME=NAME,
+    DrafterConfig=DrafterConfig,
+    feature_names=feature_names,
+    max_draft_depth=max_draft_depth,
+    build=build,
+    rebuild=rebuild,
+    compute_loss=compute_loss,
+    activation_bytes=activation_bytes,
+    make_proposer=make_proposer,
+    EXPORTS=EXPORTS,
+    recognises=recognises,
+    read_export=read_export,
+    from_export=from_export,
+    serving_snippet=serving_snippet,
+    SERVE_FORMAT=SERVE_FORMAT,
+    vllm_serving=vllm_serving,
+    param_groups=param_groups,
+    verifier=verifier,
+    trains_target=trains_target,
+    original=original,
+    DEFAULT_TREE=DEFAULT_TREE,
+    held_out_metrics=held_out_metrics,
+)

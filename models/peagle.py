@@ -44,10 +44,10 @@ from draftsmith.models.eagle3 import (
     write_speculators,
 )
 from draftsmith.models.eagle3 import build as build_eagle3
+from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import from_exported_head, renamed
-from draftsmith.models.interface import no_held_out_metrics, target_as_original, trains_target_never
-from draftsmith.models.training import frozen_target, mask_token, single_group
+from draftsmith.models.training import mask_token
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss
 from draftsmith.util.masks import causal_mask
 
@@ -243,8 +243,6 @@ def make_proposer(drafter, target, cfg: DrafterConfig) -> ParallelProposer:
 
 
 # One module trained at optim.lr; the target stays frozen and is its own original.
-param_groups, verifier = single_group, frozen_target
-trains_target, original = trains_target_never, target_as_original
 
 
 def from_init(cfg: DrafterConfig, init_config: dict, target_config) -> DrafterConfig:
@@ -342,5 +340,23 @@ def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, e
     return unroll_activation_bytes(tc, batch, length, elem, math.ceil(slots), cfg.draft_vocab_size or tc.vocab_size)
 
 
-DEFAULT_TREE = None  # chains: one slot per depth
-held_out_metrics = no_held_out_metrics
+FAMILY = Family(
+    NAME=NAME,
+    DrafterConfig=DrafterConfig,
+    feature_names=feature_names,
+    max_draft_depth=max_draft_depth,
+    build=build,
+    rebuild=rebuild,
+    compute_loss=compute_loss,
+    activation_bytes=activation_bytes,
+    make_proposer=make_proposer,
+    EXPORTS=EXPORTS,
+    recognises=recognises,
+    read_export=read_export,
+    from_export=from_export,
+    serving_snippet=serving_snippet,
+    SERVE_FORMAT=SERVE_FORMAT,
+    vllm_serving=vllm_serving,
+    consumer_check=consumer_check,
+    from_init=from_init,
+)

@@ -1,6 +1,6 @@
-"""The explicit registry of drafter families. Adding a family = one module + one line here;
-tests/test_registry.py checks that every entry has the shared interface and that every recipe's
-`drafter.type` is registered."""
+"""The explicit registry of drafter families: name -> the family's record (models/family.py).
+Adding a family = one module ending in `FAMILY = Family(...)` + one line here; tests/test_registry.py
+checks that every family module is registered and every recipe's `drafter.type` is."""
 
 from __future__ import annotations
 
@@ -8,57 +8,26 @@ import copy
 import difflib
 import json
 from pathlib import Path
-from types import ModuleType
 
 from draftsmith import DraftsmithError
 from draftsmith.models import dflash, distill, eagle, eagle3, medusa, peagle
+from draftsmith.models.family import INTERFACE, Family  # noqa: F401 (INTERFACE: what every family has)
 from draftsmith.models.folder import check_fingerprint, load_state, read_drafter_meta
 from draftsmith.target.load import fingerprint
 from draftsmith.util.parse import from_dict
 
-DRAFTERS: dict[str, ModuleType] = {
-    "eagle": eagle,
-    "eagle3": eagle3,
-    "peagle": peagle,
-    "dflash": dflash,
-    "medusa": medusa,
-    "distill": distill,  # last: `recognises` any causal LM, so published heads are asked first
+DRAFTERS: dict[str, Family] = {
+    "eagle": eagle.FAMILY,
+    "eagle3": eagle3.FAMILY,
+    "peagle": peagle.FAMILY,
+    "dflash": dflash.FAMILY,
+    "medusa": medusa.FAMILY,
+    "distill": distill.FAMILY,  # last: `recognises` any causal LM, so published heads are asked first
 }
 DEFAULT_DRAFTER = "eagle"  # a recipe that names no drafter.type
 
-# What every family module provides (checked by the registry test).
-INTERFACE = (
-    "NAME",
-    "DrafterConfig",
-    "feature_names",
-    "max_draft_depth",
-    "build",
-    "rebuild",
-    "param_groups",
-    "compute_loss",
-    "make_proposer",
-    "verifier",
-    "SERVE_FORMAT",
-    "vllm_serving",
-    "from_init",
-    # formats: writers, recognising and reading exports (draftsmith/ship/export.py), the served snippet
-    "EXPORTS",
-    "recognises",
-    "read_export",
-    "from_export",
-    "serving_snippet",
-    "consumer_check",
-    # a family that trains the target: whether it needs its own copy, and the target before training
-    "trains_target",
-    "original",
-    # `plan`: activation bytes at the step's peak; benchmarks: the default tree, extra held-out figures
-    "activation_bytes",
-    "DEFAULT_TREE",
-    "held_out_metrics",
-)
 
-
-def drafter_module(name: str, where: str = "drafter.type") -> ModuleType:
+def drafter_module(name: str, where: str = "drafter.type") -> Family:
     if name not in DRAFTERS:
         close = difflib.get_close_matches(str(name), list(DRAFTERS), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""

@@ -77,11 +77,6 @@ def lora_config(cfg, model: torch.nn.Module):
     )
 
 
-def single_group(drafter: torch.nn.Module, cfg, lr: float) -> list[dict]:
-    """`param_groups` of a family that trains one module at one learning rate (optim.lr)."""
-    return [{"name": "drafter", "params": [p for p in drafter.parameters() if p.requires_grad], "lr": lr}]
-
-
 def mask_token(requested: int | None, target_config) -> int:
     """A block drafter's mask token (`drafter.mask_token_id`): the id asked for, else the target's pad
     token, else its eos (speculators' fallback for a tokenizer without a mask token or a spare row)."""
@@ -95,16 +90,6 @@ def mask_token(requested: int | None, target_config) -> int:
             f"target's vocabulary), got {mid}"
         )
     return mid
-
-
-def keep_config(cfg, init_config: dict, target_config):
-    """`from_init` of a family whose config does not depend on the drafter it starts from."""
-    return cfg
-
-
-def frozen_target(drafter: torch.nn.Module, target):
-    """`verifier` of a family that leaves the target untouched: the target verifies the drafts."""
-    return target
 
 
 def layer_activation_bytes(hidden: int, intermediate: int, elem: int) -> int:

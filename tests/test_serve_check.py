@@ -413,7 +413,7 @@ def test_a_family_vllm_cannot_serve_is_named(tiny_target_dir, chat_jsonl, tmp_pa
     final = (
         train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{"optim.max_steps": 1}))) / "final"
     )
-    monkeypatch.setattr(eagle, "SERVE_FORMAT", None)
+    monkeypatch.setattr(eagle.FAMILY, "SERVE_FORMAT", None)
     target, tok = load_target(str(tiny_target_dir))
     with pytest.raises(
         DraftsmithError, match=r"vLLM serves no eagle export \(it serves eagle3, peagle, dflash, medusa, distill\)"

@@ -140,7 +140,7 @@ def test_corrupt_checkpoint_and_nan_loss_are_clear_errors(tiny_target_dir, chat_
         calls["n"] += 1
         return (loss * float("nan") if calls["n"] == 3 else loss), n, m
 
-    monkeypatch.setattr(eagle, "compute_loss", nan_at_third)
+    monkeypatch.setattr(eagle.FAMILY, "compute_loss", nan_at_third)
     with pytest.raises(DraftsmithError, match=r"step 2: loss is nan \(nan/inf\).*last good checkpoint: .*step-000002"):
         train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "nan", save_every=1)))
     run = tmp_path / "nan" / "r"
