@@ -33,7 +33,12 @@ RUNS = {
     "dflash": {"drafter.aux_layers": [0, 1], "drafter.block_size": 4},
     "medusa": {"drafter.num_heads": 2},
     "distill": {"drafter.num_layers": 1},
-    "medusa+lora": {"drafter.num_heads": 2, "drafter.backbone": "lora", "drafter.lora_rank": 4},
+    "medusa+lora": {
+        "drafter.num_heads": 2,
+        "drafter.backbone": "lora",
+        "drafter.lora_rank": 4,
+        "drafter.backbone_lr": 1e-3,
+    },
     "distill+lora": {"drafter.num_layers": 1, "drafter.lora_rank": 4},
 }
 
