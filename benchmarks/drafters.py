@@ -7,7 +7,7 @@
 One process, one target, the same holdout prompts for every row. For each drafter: τ with a chain
 of K drafts and with the draft tree, greedy (token-exact lossless check against target-only
 decoding) and sampled (`--temperature`; exactness there is a distribution property, covered by the
-chi-square tests in tests/test_sampling.py and tests/test_tree.py). Each row's speedup is measured
+chi-square tests in tests/engine/test_sampling.py and tests/engine/test_tree.py). Each row's speedup is measured
 against target-only decoding of the same prompts in the same process, measured once per temperature
 and shared by the rows the target verifies (a trained backbone, Medusa-2, gets its own). Then per drafter: trainable
 parameters, draft vocabulary, measured drafting time per round vs one target forward, and the

@@ -29,7 +29,7 @@ class ShardWriter:
     Each `write_shard` is one complete safetensors file (written to a temp name, then renamed), so
     an interrupted writer leaves only whole shards behind; with `resume=True` they are kept and a
     rerun adds the missing examples. Features keep the dtype they were computed in (fp32 features
-    equal a fresh fp32 forward pass, tests/test_regenerate.py).
+    equal a fresh fp32 forward pass, tests/data/test_regenerate.py).
     """
 
     def __init__(self, out: Path, names, fingerprint: str, hidden_size: int, resume: bool = False, prefix: str = ""):

@@ -74,7 +74,7 @@ def cmd_train(args) -> None:
         # A non-main rank of a launch is done (rank 0 may still be evaluating): leave without the
         # interpreter's teardown. There, gloo's and DeepSpeed's C++ threads can abort the process
         # ("terminate called without an active exception", SIGABRT), and torchrun then kills rank 0
-        # mid-eval; CI saw it once on the ZeRO-3 test (tests/test_deepspeed.py). Everything this rank
+        # mid-eval; CI saw it once on the ZeRO-3 test (tests/train/test_deepspeed.py). Everything this rank
         # writes is written and closed by now.
         sys.stdout.flush()
         sys.stderr.flush()

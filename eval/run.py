@@ -121,7 +121,7 @@ def evaluate(
         "acceptance_rate": round(stats.acceptance_rate, 4),
         "per_position": [round(p, 4) for p in stats.per_position] if k else [],
         # Greedy: checked token by token. Sampling: outputs differ by design; exactness is a
-        # distribution-level property, tested by chi-square tests in tests/test_sampling.py and test_tree.py.
+        # distribution-level property, tested by chi-square tests in tests/engine/test_sampling.py and test_tree.py.
         "lossless": mismatches == 0 if temperature == 0 else None,
         # Greedy, two checks: `rule_exact`, every round emitted what the verification rule gives for
         # the target's own logits of that pass (what makes speculation lossless), and `lossless`,

@@ -1,5 +1,5 @@
 """The explicit registry of drafter families: name -> the family's record (models/family.py).
-Adding a family = one module ending in `FAMILY = Family(...)` + one line here; tests/test_registry.py
+Adding a family = one module ending in `FAMILY = Family(...)` + one line here; tests/architecture/test_registry.py
 checks that every family module is registered and every recipe's `drafter.type` is."""
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ side_by_side=$SECONDS
 beside_log=$(mktemp)
 beside_vllm > "$beside_log" 2>&1 &
 beside_pid=$!
-phase "vllm tests" .venv/bin/python -m pytest -q -m "vllm and not vllm_families" --durations=5 || failed=1
+phase "vllm tests" env DRAFTSMITH_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q -m "vllm and not vllm_families" \
+  --durations=5 || failed=1
 phase "script tests" .venv/bin/python -m pytest -q -m "script and not integration and not vllm" || failed=1
 wait "$beside_pid" || failed=1
 cat "$beside_log"

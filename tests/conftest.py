@@ -53,7 +53,7 @@ def make_target(seed: int = 0, vocab: int = 128, layers: int = 2) -> LlamaForCau
 
 @pytest.fixture(scope="session")
 def peaked_target():
-    """The target of the lossless-sampling tests (tests/test_sampling.py and the drafters that reuse its
+    """The target of the lossless-sampling tests (tests/engine/test_sampling.py and the drafters that reuse its
     chi-square test): sharper next-token distributions than a fresh random init, so fewer categories."""
     target = make_target(seed=3)
     with torch.no_grad():

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def no_vllm(monkeypatch):
     """publish and export --verify also serve the export in vLLM when it is installed; these tiny
     targets (head dim 8) are below what vLLM's CPU attention takes, so here it is switched off
-    (tests/test_serve_check.py serves real exports)."""
+    (tests/ship/test_serve_check.py serves real exports)."""
     monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", "none")
 
 

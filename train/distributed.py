@@ -54,7 +54,7 @@ def make_accelerator(cfg: Config) -> Accelerator:
         _without_deepspeed_shm_op()
     if cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         # accelerate enables FSDP only on accelerators and otherwise prepares bare modules: every rank
-        # would train on its own, silently. (tests/test_fsdp.py runs this loop under FSDP on CPUs by
+        # would train on its own, silently. (tests/train/test_fsdp.py runs this loop under FSDP on CPUs by
         # giving the Accelerator the state it has on GPUs.)
         raise DraftsmithError(
             "the fsdp preset needs GPUs: accelerate enables FSDP only on accelerators; on CPUs "

@@ -30,7 +30,7 @@ from draftsmith.target.load import eos_ids, load_target, served_name
 # speculators' forward vs draftsmith's drafter, both in fp32 on the same inputs: only the order of
 # operations differs (speculators' flex/eager attention, draftsmith's sdpa): measured 7e-8 on the
 # tests' tiny export, 6e-6 on the quickstart smollm2-135m one. A mapping error moves logits far more
-# (reversed aux layer ids: 0.37, argmax agreement 13%, in tests/test_publish.py).
+# (reversed aux layer ids: 0.37, argmax agreement 13%, in tests/ship/test_publish.py).
 
 
 class Recorder(Proposer):

