@@ -45,7 +45,7 @@ def tau_tolerance(num_prompts: int, rounds: float) -> float:
 
 
 def vllm_families() -> str:
-    return ", ".join(n for n, m in DRAFTERS.items() if getattr(m, "SERVE_FORMAT", None))
+    return ", ".join(n for n, m in DRAFTERS.items() if m.SERVE_FORMAT)
 
 
 def _read_config(path: Path) -> dict:
@@ -76,7 +76,7 @@ def prepare(path: Path, out: Path, target, tok, drafter: Path | None = None):
     config = _read_config(path)
     if "draftsmith_format" in config:  # a trained drafter folder
         module = drafter_module(config["drafter"], f"{path}/config.json: drafter")
-        if not getattr(module, "SERVE_FORMAT", None):
+        if not module.SERVE_FORMAT:
             raise DraftsmithError(f"{path}: vLLM serves no {module.NAME} export (it serves {vllm_families()})")
         exported = export(path, target_to_load_on(target, path), module.SERVE_FORMAT, out / "export", tok)
         return exported, _read_config(exported), path
@@ -201,7 +201,7 @@ def serve_check(
     out.mkdir(parents=True, exist_ok=True)
     export_dir, config, source = prepare(path, out, target, tok, Path(drafter) if drafter else None)
     module = drafter_module(config["draftsmith"]["drafter"])
-    if not getattr(module, "SERVE_FORMAT", None):
+    if not module.SERVE_FORMAT:
         raise DraftsmithError(f"{export_dir}: vLLM serves no {module.NAME} export (it serves {vllm_families()})")
     speculative, family_args = module.vllm_serving(export_dir.resolve(), config, k)
     k = speculative["num_speculative_tokens"]  # e.g. Medusa: vLLM drafts one token per head
