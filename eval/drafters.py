@@ -1,7 +1,7 @@
 """The one resolver of drafter specs: what a user names on the command line (`none`, `ngram`,
 `lookahead[:…]`, `hybrid:PATH`, `cascade:LOW,MID`, a layer-skip folder, a trained drafter folder,
-`PATH@TREE`) -> the proposer the engine drafts with, the model that verifies, and the tree. `eval`,
-`compare` and the benchmarks resolve through it."""
+`PATH@TREE`) -> the proposer the engine drafts with, the model that verifies, and the tree. `compare`
+resolves every drafter through it, `eval` every spec that is not a trained folder on its own."""
 
 from __future__ import annotations
 

@@ -30,6 +30,9 @@ class Proposer(Protocol):
       (lookahead's Jacobi step learns from them).
     - `reset_stats()` and `stats()`: the proposer's own counters (a cascade's levels, a hybrid's draft
       sources), started after the eval's warm-up and added to its report.
+
+    A trained drafter's proposer also has `logits`: the function its drafting passes go through to
+    become vocabulary logits, which `export --verify` taps to compare a drafter with its export.
     """
 
     feature_names: tuple[str, ...] = ()
