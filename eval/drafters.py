@@ -33,9 +33,6 @@ def parse_drafter(spec: str) -> tuple[str, str | None]:
     return path, tree or None
 
 
-TRAINING_FREE = "none, ngram, lookahead, hybrid:PATH, cascade:LOW,MID, a layer-skip folder"
-
-
 def trained_folders(spec: str) -> list[str]:
     """The trained drafter folders a drafter spec names (to read their metadata before loading any model)."""
     path = parse_drafter(spec)[0]
