@@ -18,29 +18,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.tiny_target import make_tokenizer, plain_config, write_pattern_chats
+from benchmarks.tiny_target import TINY_DRAFTERS, TINY_LORA, make_tokenizer, plain_config, write_pattern_chats
 from draftsmith.cli import main as cli
 from draftsmith.models.registry import DRAFTERS
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import train
 from draftsmith.util.precision import CPU_BF16_ENV
 
-# Each family at a size the tiny target takes; `+lora`: the variant whose backbone trains with LoRA.
-RUNS = {
-    "eagle": {},
-    "eagle3": {"drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60},
-    "peagle": {"drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60, "drafter.depths": 3},
-    "dflash": {"drafter.aux_layers": [0, 1], "drafter.block_size": 4},
-    "medusa": {"drafter.num_heads": 2},
-    "distill": {"drafter.num_layers": 1},
-    "medusa+lora": {
-        "drafter.num_heads": 2,
-        "drafter.backbone": "lora",
-        "drafter.lora_rank": 4,
-        "drafter.backbone_lr": 1e-3,
-    },
-    "distill+lora": {"drafter.num_layers": 1, "drafter.lora_rank": 4},
-}
+# Each family at the tiny target's size; `+lora`: the variant whose backbone trains with LoRA.
+RUNS = {**TINY_DRAFTERS, **{f"{name}+lora": {**TINY_DRAFTERS[name], **lora} for name, lora in TINY_LORA.items()}}
 
 
 def digests(root: Path) -> list[str]:

@@ -29,6 +29,22 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 
 
+# Every family at a size a 3-layer tiny target takes (`recipe key: value` overrides), and the LoRA
+# variants (their frozen base can be bf16): the precision matrix and the export digests train these.
+TINY_DRAFTERS = {
+    "eagle": {},
+    "eagle3": {"drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60},
+    "peagle": {"drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60, "drafter.depths": 3},
+    "dflash": {"drafter.aux_layers": [0, 1], "drafter.block_size": 4},
+    "medusa": {"drafter.num_heads": 2},
+    "distill": {"drafter.num_layers": 1},
+}
+TINY_LORA = {
+    "medusa": {"drafter.backbone": "lora", "drafter.lora_rank": 4, "drafter.backbone_lr": 1e-3},
+    "distill": {"drafter.lora_rank": 4},
+}
+
+
 def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     chars = sorted(set(string.printable))
     vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}

@@ -21,25 +21,16 @@ import json
 import pytest
 import torch
 
+from benchmarks.tiny_target import TINY_DRAFTERS, TINY_LORA
 from draftsmith.cli import main
 from draftsmith.models.registry import DRAFTERS
 
 # An explicit bf16 on an AVX2-only CPU warns once that its kernels are slow: expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:.*no native bf16")
 
-FAMILIES = {
-    "eagle": {},
-    "eagle3": {"drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60},
-    "peagle": {"drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60, "drafter.depths": 3},
-    "dflash": {"drafter.aux_layers": [0, 1], "drafter.block_size": 4},
-    "medusa": {"drafter.num_heads": 2},
-    "distill": {"drafter.num_layers": 1},
-}
+FAMILIES = TINY_DRAFTERS
 # What a bf16-weights cell trains: the family's LoRA variant, whose frozen base is bf16.
-BF16_WEIGHTS = {
-    "medusa": {"drafter.backbone": "lora", "drafter.lora_rank": 4, "drafter.backbone_lr": 1e-3},
-    "distill": {"drafter.lora_rank": 4},
-}
+BF16_WEIGHTS = TINY_LORA
 PRECISIONS = {  # target_dtype, optim.mixed_precision, eval.dtype (= the --dtype of export --verify)
     "fp32": ("float32", "float32", "float32"),
     "bf16-target": ("bfloat16", "float32", "bfloat16"),
