@@ -12,28 +12,11 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from tests.conftest import MULTIPROCESS, write_pattern_chats
+from tests.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-TWO = [
-    sys.executable,
-    "-m",
-    "accelerate.commands.launch",
-    "--multi_gpu",
-    "--num_processes",
-    "2",
-    "--num_machines",
-    "1",
-    "--mixed_precision",
-    "no",
-    "--dynamo_backend",
-    "no",
-    "--main_process_port",
-    "0",
-    "-m",
-    "draftsmith.cli",
-    "train",
-]
+TWO = 2  # ranks, forked (tests/ranks.py) in torchrun's environment
 ONE = [sys.executable, "-m", "draftsmith.cli", "train"]
 
 
@@ -57,8 +40,12 @@ def _args(tmp_path, target, data, run, **extra):
 
 
 def _launch(cmd, args):
+    """ONE: a plain `python -m draftsmith.cli train ARGS`; TWO: two ranks of it."""
     t0 = time.perf_counter()
-    done = subprocess.run(cmd + args, env=ENV, cwd=ROOT, capture_output=True, text=True)
+    if cmd == TWO:
+        done = run_ranks(TWO, "draftsmith.cli", ["train", *args], env=ENV)
+    else:
+        done = subprocess.run(cmd + args, env=ENV, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout, time.perf_counter() - t0
 

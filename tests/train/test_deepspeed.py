@@ -25,6 +25,7 @@ from draftsmith.train.checkpoint import _check_layout
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import fill_deepspeed_config, train
 from tests.conftest import MULTIPROCESS
+from tests.ranks import run_ranks
 from tests.train.test_train import _overrides, _weights
 
 # Every DeepSpeed run is compared with the 1-process reference weight for weight: fp32 on every CPU.
@@ -54,19 +55,8 @@ def _env():
 
 
 def _torchrun(procs: int, args: list[str], check: bool = True):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(procs),
-        "-m",
-        "draftsmith.cli",
-        "train",
-        *args,
-    ]
-    out = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True)
+    """`torchrun --nproc_per_node procs -m draftsmith.cli train ARGS`, its ranks forked (tests/ranks.py)."""
+    out = run_ranks(procs, "draftsmith.cli", ["train", *args], env=_env())
     if check and out.returncode != 0:
         raise AssertionError(f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
     return out

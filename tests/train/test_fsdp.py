@@ -7,7 +7,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from draftsmith import DraftsmithError
 from draftsmith.train.config import load_config, resolve_precision
 from draftsmith.train.loop import make_accelerator
 from tests.conftest import MULTIPROCESS, lossless_ok
+from tests.ranks import run_ranks
 
 pytestmark = MULTIPROCESS
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,18 +23,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(ROOT / "tests" / "train" / script),
-        *map(str, args),
-    ]
+    """`torchrun --nproc_per_node 2 tests/train/SCRIPT ARGS`, its ranks forked (tests/ranks.py)."""
     # A rank that gathers a unit the other does not call would hang: the timeout turns that into a failure.
-    out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    out = run_ranks(2, str(ROOT / "tests" / "train" / script), list(args), env=ENV, timeout=600)
     # Both streams in the message: the one failure seen in a full-suite run left no cause on record.
     assert out.returncode == 0, f"rc {out.returncode}\nstdout: {out.stdout[-3000:]}\nstderr: {out.stderr[-5000:]}"
     return out

@@ -3,8 +3,6 @@ offline features, and 1 vs 2 processes."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from draftsmith.train import checkpoint
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import train
 from tests.conftest import MULTIPROCESS
+from tests.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -218,35 +217,9 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_
     recipe.write_text("{}\n")
     two = [str(recipe), *common, "run=two", "optim.batch_size=2"]
     one = train(load_config(None, [*common, "run=one", "optim.batch_size=4"]))  # in this process: no second start-up
-    # Port 0 (any free port, as launch.sh --main-port 0): pytest-xdist may run two of these launches
-    # at once, and 29500 is accelerate's default.
-    launched = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            "0",
-            "-m",
-            "draftsmith.cli",
-            "train",
-            *two,
-        ],
-        check=True,
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    # Two ranks forked from preloaded modules (tests/ranks.py), in torchrun's environment.
+    launched = run_ranks(2, "draftsmith.cli", ["train", *two], env=env)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     assert "2 process(es)" in launched.stdout  # really two DDP ranks, not one
     a, b = _weights(one), _weights(tmp_path / "two")
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
