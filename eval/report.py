@@ -1,4 +1,5 @@
-"""report.json (keys fixed by design.md), report.md and acceptance.png."""
+"""report.json (keys fixed by design.md), report.md and acceptance.png; for a drafter with confidences
+also reliability.png and the calibration and adaptive-verification sections."""
 
 from __future__ import annotations
 
@@ -115,9 +116,62 @@ def _markdown(r: dict) -> str:
             "",
             *_drift(r),
             *_levels(r),
+            *_calibration(r),
+            *_adaptive(r),
             *_batch_curve(r),
         ]
     )
+
+
+def _calibration(r: dict) -> list[str]:
+    """A drafter with a confidence head: how well its confidences match what verification accepted."""
+    cal = r.get("calibration")
+    if not cal:
+        return []
+    ece = "-" if cal["ece"] is None else f"{cal['ece']:.3f}"
+    return [
+        "## Confidence calibration",
+        "",
+        f"Expected calibration error {ece} over {cal['n']} verified drafts ({len(cal['bins'])} equal-width bins; "
+        "outcome: the draft was accepted, given the drafts before it were). Reliability diagram: reliability.png.",
+        "",
+        "| confidence bin | drafts | mean confidence | accepted |",
+        "|---|---|---|---|",
+        *[
+            f"| {b['lo']:.1f}-{b['hi']:.1f} | {b['n']} | {b['confidence']:.2f} | {b['accuracy']:.2f} |"
+            for b in cal["bins"]
+            if b["n"]
+        ],
+        "",
+    ]
+
+
+def _adaptive(r: dict) -> list[str]:
+    """Adaptive verification (vLLM 0.32) beside full-block verification on the same prompts."""
+    a = r.get("adaptive")
+    if not a:
+        return []
+    rows = [("full block", a["full_block"]), ("adaptive", a["adaptive"])]
+    return [
+        "## Adaptive verification",
+        "",
+        f"Each round verifies the prefix of the chain that maximizes expected tokens per cost: {a['rule']}; "
+        f"costs in target passes ({a['costs']}): draft_cost {a['draft_cost']:.3f}, beta {a['beta']:.3f}.",
+        "",
+        "| verification | τ | drafts verified / round | acceptance | spec tok/s | speedup |",
+        "|---|---|---|---|---|---|",
+        *[
+            f"| {name} | {x['tau']:.2f} | {x['verified_per_round']:.2f} | {x['acceptance_rate']:.2f} | "
+            f"{x['spec_tokens_per_s']:.1f} | {x['speedup']:.2f}x |"
+            for name, x in rows
+        ],
+        "",
+        *(
+            [f"Adaptive outputs identical to target-only: {LOSSLESS[a['adaptive']['lossless']]}.", ""]
+            if a["adaptive"].get("lossless") is not None
+            else []
+        ),
+    ]
 
 
 def _levels(r: dict) -> list[str]:
@@ -222,6 +276,36 @@ def _plot(r: dict, path: Path) -> None:
         fig.tight_layout()
         fig.savefig(path.with_name("batch_curve.png"), dpi=100)
         plt.close(fig)
+    if r.get("calibration"):
+        _reliability(r, path.with_name("reliability.png"), plt)
+
+
+def _reliability(r: dict, path: Path, plt) -> None:
+    """Reliability diagram: accepted fraction against mean confidence per bin, the diagonal = calibrated."""
+    cal = r["calibration"]
+    full = [b for b in cal["bins"] if b["n"]]
+    fig, ax = plt.subplots(figsize=(4, 4))
+    ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--")
+    ax.bar(
+        [(b["lo"] + b["hi"]) / 2 for b in full],
+        [b["accuracy"] for b in full],
+        width=[b["hi"] - b["lo"] for b in full],
+        color="#3b7dd8",
+        edgecolor="white",
+        alpha=0.8,
+        label="accepted",
+    )
+    ax.plot([b["confidence"] for b in full], [b["accuracy"] for b in full], "o", color="#d83b3b", label="bin mean")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("confidence")
+    ax.set_ylabel("accepted fraction")
+    ece = "-" if cal["ece"] is None else f"{cal['ece']:.3f}"
+    ax.set_title(f"{r['drafter']}: ECE {ece} (n={cal['n']})")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def write_report(r: dict, out: Path) -> None:

@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import copy
+import statistics
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
 from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.engine.batched import batch_curve
-from draftsmith.engine.drafts import parse_tree
+from draftsmith.engine.cache import crop_cache
+from draftsmith.engine.drafts import Draft, parse_tree
 from draftsmith.engine.proposers import proposer_modules
-from draftsmith.engine.speculative import Sampler, Stats, speculative_decode, target_decode, timed
+from draftsmith.engine.speculative import (
+    Sampler,
+    Stats,
+    speculative_decode,
+    target_decode,
+    timed,
+    verification_forward,
+)
+from draftsmith.engine.verify import AdaptiveCosts, verification_inputs
 from draftsmith.eval.report import write_report
 from draftsmith.target.load import eos_ids
+from draftsmith.util.calibration import calibration
 from draftsmith.util.kernels import packed_linears
 from draftsmith.util.precision import hardware
 
@@ -50,6 +62,7 @@ def evaluate(
     kernels: bool = True,
     batch_sizes: list[int] | None = None,
     split: str = "train",
+    adaptive_costs: AdaptiveCosts | None = None,
 ) -> dict:
     """Decode each holdout prompt target-only and speculatively; measure τ, acceptance, speed.
     proposer: a drafter's proposer (`module.make_proposer`), an NgramProposer, or None (k becomes 0).
@@ -57,7 +70,11 @@ def evaluate(
     baseline: target-only (output, seconds) per prompt from `target_baseline`, measured once and shared
     by several drafters (`draftsmith compare`); by default it is measured here, prompt by prompt.
     kernels: decode on prepacked oneDNN linears in fp32 on CPU (draftsmith/util/kernels.py); False = torch's default.
-    batch_sizes: also measure the batch-size curve (draftsmith/engine/batched.py: greedy, chain drafts of k tokens)."""
+    batch_sizes: also measure the batch-size curve (draftsmith/engine/batched.py: greedy, chain drafts of k tokens).
+    A proposer that `drafts_confidence` (chains) also gets, under the report keys "calibration" and
+    "adaptive": the calibration of its confidences on the verified drafts of this run, and the same
+    prompts decoded again with adaptive verification beside this full-block run (`adaptive_section`).
+    adaptive_costs: that run's cost model; None = measured here (`measure_costs`)."""
     spec = parse_tree(tree) if tree else None
     if batch_sizes and (spec is not None or temperature > 0):
         raise DraftsmithError(
@@ -84,7 +101,9 @@ def evaluate(
         """None = greedy; otherwise one warping shared by target and drafter (lossless sampling)."""
         return Sampler(temperature, top_p, seed, device) if temperature > 0 else None
 
-    stats, ref_s, mismatches, ref_tokens, gaps = Stats(k=max(k, 1)), 0.0, 0, 0, []
+    stats, ref_s, mismatches, ref_tokens, gaps, refs = Stats(k=max(k, 1)), 0.0, 0, 0, [], []
+    # Only a chain drafter that says how sure it is gets the calibration and adaptive sections.
+    confident = proposer is not None and proposer.drafts_confidence and spec is None and k > 0
     # Target and drafter decode on the fastest kernels of the machine (draftsmith/util/kernels.py), the
     # target-only baseline included, so the speedup compares like with like.
     with packed_linears(target, *proposer_modules(proposer), enabled=kernels):
@@ -101,13 +120,20 @@ def evaluate(
                 speculative_decode, target, proposer, prompt, k, max_new_tokens, eos, sampler(n), stats, spec
             )
             ref_s += s_ref
+            refs.append(ref)
             stats.seconds += s_spec
             ref_tokens += len(ref)
             stats.new_tokens += len(generated)
             mismatches += int(generated != ref)
             if temperature == 0 and generated != ref:
                 gaps.append(round(divergence_gap(target, prompt, ref, generated), 4))
-    target_tps, spec_tps = ref_tokens / ref_s, stats.new_tokens / stats.seconds
+        own = proposer.stats() if proposer is not None else {}  # before the adaptive run adds to them
+        target_tps = ref_tokens / ref_s
+        if confident:
+            adaptive = adaptive_section(
+                target, proposer, prompts, refs, stats, target_tps, k, max_new_tokens, eos, sampler, adaptive_costs
+            )
+    spec_tps = stats.new_tokens / stats.seconds
     report = {
         "drafter": name,
         "target": target_name,
@@ -144,7 +170,10 @@ def evaluate(
         **hardware(device),
     }
     if proposer is not None:  # e.g. a cascade's levels, a hybrid's drafts by source
-        report.update(proposer.stats())
+        report.update(own)
+    if confident:
+        report["calibration"] = confidence_calibration(stats)
+        report["adaptive"] = adaptive
     if batch_sizes:
         report["batch_curve"] = batch_curve(
             target, tok, fresh_copies(proposer), prompts, batch_sizes, k, max_new_tokens, eos, kernels
@@ -152,6 +181,98 @@ def evaluate(
     if out is not None:
         write_report(report, out)
     return report
+
+
+def confidence_calibration(stats: Stats, n_bins: int = 10) -> dict:
+    """ECE and the reliability bins of the drafter's confidences over the full-block run's verified
+    drafts (`Stats.confidence_outcomes`: draft i counts when drafts < i were accepted, outcome = it was
+    accepted), rounded for the report (draftsmith/util/calibration.py)."""
+    pairs = stats.confidence_outcomes
+    cal = calibration([c for c, _ in pairs], [y for _, y in pairs], n_bins)
+
+    def r4(x):
+        return None if x is None else round(x, 4)
+
+    return {
+        "ece": r4(cal["ece"]),
+        "n": cal["n"],
+        "bins": [{**b, "confidence": r4(b["confidence"]), "accuracy": r4(b["accuracy"])} for b in cal["bins"]],
+        "outcome": "draft i accepted, given drafts < i accepted (full-block verification)",
+    }
+
+
+@torch.no_grad()
+def verify_seconds(target, prompt: list[int], k: int, reps: int = 5) -> tuple[float, float]:
+    """Median seconds of one target verification pass over the root alone and over the root + k chain
+    drafts, after the prompt is cached: the two shapes `speculative_decode` runs (the same mask and
+    positions; which draft tokens are scored does not change the cost)."""
+    device = next(target.parameters()).device
+    cache, prefix = DynamicCache(), len(prompt) - 1
+    verification_forward(target, prompt[:-1], cache, device)
+    chain = Draft.chain(prompt[-1:] * k)
+    mask, positions = verification_inputs(chain, prefix, device)
+    shapes = [(prompt[-1:], None, None), (prompt[-1:] + chain.tokens, mask, positions)]
+    seconds = [[], []]
+    for _ in range(reps):
+        for times, (ids, m, p) in zip(seconds, shapes):
+            times.append(timed(verification_forward, target, ids, cache, device, (), m, p)[1])
+            crop_cache(cache, prefix)
+    return statistics.median(seconds[0]), statistics.median(seconds[1])
+
+
+def measure_costs(draft_seconds_per_round: float, one: float, full: float, k: int) -> AdaptiveCosts:
+    """The linear cost model of adaptive verification (draftsmith/engine/verify.py AdaptiveCosts) from
+    what this run measured, in units of a target pass over the root alone (`one` seconds): draft_cost =
+    drafting seconds per round / one; beta = the extra cost per verified draft, (full - one) / (k * one)
+    with `full` the pass over root + k drafts, clamped to [0, 1] (timing noise on a tiny target)."""
+    beta = (full - one) / (k * one)
+    return AdaptiveCosts(draft_cost=draft_seconds_per_round / one, beta=min(max(beta, 0.0), 1.0))
+
+
+def adaptive_section(
+    target, proposer, prompts, refs, full: Stats, target_tps: float, k, max_new, eos, sampler, costs=None
+) -> dict:
+    """The same prompts decoded again with adaptive verification (vLLM 0.32's budget on the drafter's
+    confidences), beside the full-block run `full`: τ, drafts verified per round and speedup of both
+    against the same target-only baseline; greedy outputs are checked against that baseline too."""
+    measured = costs is None
+    if measured:
+        one, whole = verify_seconds(target, prompts[0], k)
+        costs = measure_costs(full.draft_seconds / max(full.passes, 1), one, whole, k)
+    stats, mismatches = Stats(k=k), 0
+    for n, (prompt, ref) in enumerate(zip(prompts, refs)):
+        generated, seconds = timed(
+            speculative_decode, target, proposer, prompt, k, max_new, eos, sampler(n), stats, None, costs
+        )
+        stats.seconds += seconds
+        stats.new_tokens += len(generated)
+        mismatches += int(generated != ref)
+    greedy = sampler(0) is None
+    return {
+        "rule": "b = argmax_b (1 + sum_{i<=b} S_i) / (draft_cost + 1 + beta*b), S_i = prod_{j<=i} c_j (vLLM 0.32)",
+        "draft_cost": round(costs.draft_cost, 4),
+        "beta": round(costs.beta, 4),
+        "costs": "measured" if measured else "given",
+        "full_block": _run_summary(full, target_tps),
+        "adaptive": {
+            **_run_summary(stats, target_tps),
+            "lossless": mismatches == 0 if greedy else None,
+            "rule_exact": stats.rule_breaks == 0 if greedy else None,
+            "lossless_mismatches": mismatches if greedy else None,
+        },
+    }
+
+
+def _run_summary(stats: Stats, target_tps: float) -> dict:
+    tps = stats.new_tokens / stats.seconds
+    return {
+        "tau": round(stats.tau, 4),
+        "acceptance_rate": round(stats.acceptance_rate, 4),
+        "per_position": [round(p, 4) for p in stats.per_position],
+        "verified_per_round": round(stats.proposed / max(stats.passes, 1), 2),  # drafts scored per target pass
+        "spec_tokens_per_s": round(tps, 2),
+        "speedup": round(tps / target_tps, 3),
+    }
 
 
 def fresh_copies(proposer):

@@ -31,6 +31,11 @@ Layout of the shared target cache (one transformers DynamicCache holding every o
 
 Stats pool over rows exactly as over prompts at batch size 1: `Stats.record` once per row per round,
 so `passes` counts row verifications (not batched forward calls) and τ stays tokens per row per pass.
+
+Adaptive verification (optional) is vLLM 0.32's batch rule as it stands: one token budget for the
+whole batch, the drafts of largest survival admitted across rows, each row verifying a prefix
+(draftsmith/engine/verify.py `adaptive_prefixes`). Rows whose drafter gives no confidences count
+theirs as certain (c = 1), so they keep every draft.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from draftsmith import DraftsmithError
 from draftsmith.engine.drafts import Draft
 from draftsmith.engine.proposers import proposer_modules
 from draftsmith.engine.speculative import Stats, _truncate, target_decode, timed
-from draftsmith.engine.verify import verify_tree_greedy
+from draftsmith.engine.verify import AdaptiveCosts, adaptive_prefixes, verify_tree_greedy
 from draftsmith.target.features import target_features
 from draftsmith.util.kernels import packed_linears
 from draftsmith.util.masks import causal_mask
@@ -169,6 +174,14 @@ def _propose(proposer, tokens: list[int], feats: dict, k: int, device) -> Draft:
     return draft
 
 
+def _adaptive(drafts: list[Draft], costs: AdaptiveCosts | None) -> list[Draft]:
+    """Each row's draft cut to the prefix the batch's budget admits (a row without confidences: c = 1)."""
+    if costs is None or all(d.confidence is None for d in drafts):
+        return drafts
+    confidences = [d.confidence if d.confidence is not None else [1.0] * len(d.tokens) for d in drafts]
+    return [d.prefix(b) for d, b in zip(drafts, adaptive_prefixes(confidences, costs))]
+
+
 def _blocks(tokens: list[list[int]], drafts: list[Draft], rows: list[int], pad_id: int, device):
     """Per open row [last token, draft tokens], right-padded -> ids [B', T], real [B', T]."""
     width = 1 + max(len(d.tokens) for d in drafts)
@@ -190,10 +203,12 @@ def speculative_decode_batch(
     eos: set[int],
     stats: Stats | None = None,
     pad_id: int = 0,
+    adaptive: AdaptiveCosts | None = None,
 ) -> list[list[int]]:
     """Greedy speculative decoding of B prompts together with chain drafts of up to k tokens; row b
     equals `target_decode(prompts[b])`. make_proposer: a factory (called once per row) or None for
-    target-only rounds. Each row accepts its own number of drafts per round (module docstring)."""
+    target-only rounds. Each row accepts its own number of drafts per round (module docstring).
+    adaptive: verify the prefixes vLLM 0.32's budget admits (module docstring); None = every draft."""
     if not prompts:
         return []
     proposers = [make_proposer() if make_proposer is not None else None for _ in prompts]
@@ -212,7 +227,7 @@ def speculative_decode_batch(
 
     _keep(batch, [i for i, b in enumerate(batch.rows) if is_open(b)])
     while batch.rows:
-        drafts = [_propose(proposers[b], tokens[b], row_feats[b], k, device) for b in batch.rows]
+        drafts = _adaptive([_propose(proposers[b], tokens[b], row_feats[b], k, device) for b in batch.rows], adaptive)
         ids, real = _blocks(tokens, drafts, batch.rows, pad_id, device)
         feats, logits = _feed(target, batch, ids, real, names, all_logits=True)
         kept = torch.zeros_like(real)
@@ -228,6 +243,7 @@ def speculative_decode_batch(
             tokens[b] += new
             if stats is not None:
                 stats.record(len(draft.tokens), min(len(path), len(new)), len(new), draft.max_depth)
+                stats.record_confidence(draft.confidence, len(draft.tokens), len(path))
         batch.valid[:, -ids.shape[1] :] = kept
         _keep(batch, [i for i, b in enumerate(batch.rows) if is_open(b)])
     return [t[len(p) :] for t, p in zip(tokens, prompts)]

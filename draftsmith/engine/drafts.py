@@ -27,15 +27,35 @@ class Draft:
     parents[i] = index of node i's parent, -1 = the root (the last verified token). qs[i] = the
     drafter distribution node i's token was *sampled* from (a sampled chain), or None when the
     token was chosen deterministically (greedy drafts, top-k tree expansion, prompt lookup).
+
+    confidence (chains, from a proposer with `drafts_confidence`): c_i = the drafter's own
+    probability that draft i is accepted given drafts < i were accepted (DSpark's confidence head,
+    arXiv 2607.05147; vLLM 0.32 reads it the same way). None = the drafter does not say. Adaptive
+    verification cuts the chain on it (draftsmith/engine/verify.py `adaptive_prefixes`), losslessly
+    because c_i is known *before draft i is drawn*: a function of the context and drafts < i only (as
+    DSpark's head is: the slot's hidden state and the previous token's Markov embedding). Greedy
+    verification is exact whatever the confidences; sampled verification needs that order, since a
+    c_i that looks at draft i itself would verify a biased selection of drafts (tests/engine/test_adaptive.py).
     """
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     qs: list = field(default_factory=list)
+    confidence: list[float] | None = None
 
     @classmethod
-    def chain(cls, tokens: list[int], qs: list | None = None) -> "Draft":
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)), list(qs) if qs else [None] * len(tokens))
+    def chain(cls, tokens: list[int], qs: list | None = None, confidence: list[float] | None = None) -> "Draft":
+        return cls(
+            list(tokens),
+            list(range(-1, len(tokens) - 1)),
+            list(qs) if qs else [None] * len(tokens),
+            None if confidence is None else [float(c) for c in confidence],
+        )
+
+    def prefix(self, b: int) -> "Draft":
+        """A chain's first b drafts, with their qs and confidences (adaptive verification)."""
+        conf = None if self.confidence is None else self.confidence[:b]
+        return Draft(self.tokens[:b], self.parents[:b], self.qs[:b], conf)
 
     def add(self, token: int, parent: int, q=None) -> int:
         self.tokens.append(int(token))
@@ -76,8 +96,12 @@ class Draft:
         keep = sorted(keep)
         new_index = {old: new for new, old in enumerate(keep)}
         new_index[-1] = -1
+        conf = None if self.confidence is None else [self.confidence[i] for i in keep]
         return Draft(
-            [self.tokens[i] for i in keep], [new_index[self.parents[i]] for i in keep], [self.qs[i] for i in keep]
+            [self.tokens[i] for i in keep],
+            [new_index[self.parents[i]] for i in keep],
+            [self.qs[i] for i in keep],
+            conf,
         )
 
 

@@ -24,6 +24,10 @@ class Proposer(Protocol):
     - `max_depth`: the most draft tokens it proposes per round (Medusa: one per head; a block drafter:
       its block), None = any.
     - `drafts_trees`: `propose_tree` may be called (`--tree`).
+    - `drafts_confidence`: every chain `propose` returns carries `draft.confidence` (c_i = P(draft i
+      accepted | drafts < i accepted), DSpark's confidence head, computed before draft i is drawn:
+      from the context and drafts < i only; see `Draft`), so the engine may verify only the prefix it
+      trusts (adaptive verification, draftsmith/engine/verify.py) and the eval stage reports its calibration.
     - `reset()`: a new prompt. `propose(tokens [1, n], feats, k, sampler)`: a chain Draft of at most k
       tokens. `propose_tree(tokens, feats, spec)`: a tree Draft, when `drafts_trees`.
     - `observe(draft, logits, path, new)`: the target's logits on the draft's nodes after each round
@@ -38,6 +42,7 @@ class Proposer(Protocol):
     feature_names: tuple[str, ...] = ()
     max_depth: int | None = None
     drafts_trees: bool = False
+    drafts_confidence: bool = False
 
     def reset(self) -> None: ...
 

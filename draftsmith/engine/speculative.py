@@ -4,7 +4,10 @@ One round: the drafter proposes a draft (a chain of K tokens or a tree, draftsmi
 scores [last token, draft nodes] in one forward pass with tree attention; a verify rule keeps one
 root-to-leaf path and adds one token from the target. Greedy keeps drafts equal to the target's
 argmax (output identical to target-only greedy); sampling uses the Leviathan rejection rule,
-sibling by sibling on trees (output distributed exactly as target-only sampling).
+sibling by sibling on trees (output distributed exactly as target-only sampling). With adaptive
+verification (vLLM 0.32), a chain whose drafter gives confidences is first cut to the prefix worth
+scoring (draftsmith/engine/verify.py `adaptive_prefixes`); the cut reads the drafter's outputs only, so
+both guarantees hold.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ from transformers import DynamicCache
 
 from draftsmith.engine.cache import keep_cache_positions
 from draftsmith.engine.drafts import Draft, TreeSpec
-from draftsmith.engine.verify import rule_exact, verification_inputs, verify_tree_greedy, verify_tree_sampled
+from draftsmith.engine.verify import (
+    AdaptiveCosts,
+    adaptive_draft,
+    rule_exact,
+    verification_inputs,
+    verify_tree_greedy,
+    verify_tree_sampled,
+)
 from draftsmith.target.features import target_features
 
 
@@ -35,6 +45,10 @@ class Stats:
     seconds: float = 0.0
     new_tokens: int = 0  # all generated tokens (prefill token included), for tokens/s
     rule_breaks: int = 0  # greedy rounds whose emitted tokens are not the rule's for that pass (draftsmith/engine/verify.py rule_exact)
+    draft_seconds: float = 0.0  # time in `propose`: the draft cost of adaptive verification (eval/run.py)
+    # (c_i, accepted) for every verified draft i of a chain with confidences whose drafts < i were all
+    # accepted: the calibration data of the drafter's confidence (draftsmith/util/calibration.py).
+    confidence_outcomes: list[tuple[float, int]] = field(default_factory=list)
 
     def __post_init__(self):
         self.reached = self.reached or [0] * self.k
@@ -50,6 +64,12 @@ class Stats:
         for j in range(min(n_accepted + 1, depth)):
             self.reached[j] += 1
             self.accepted_at[j] += int(j < n_accepted)
+
+    def record_confidence(self, confidence: list[float] | None, n_verified: int, n_accepted: int) -> None:
+        """Draft j was reached (drafts < j accepted) iff j <= n_accepted; its outcome is j < n_accepted.
+        Positions after the first rejection say nothing about c_j, which is conditional on reaching j."""
+        for j in range(min(n_accepted + 1, n_verified) if confidence is not None else 0):
+            self.confidence_outcomes.append((float(confidence[j]), int(j < n_accepted)))
 
     @property
     def tau(self) -> float:
@@ -167,10 +187,12 @@ def speculative_decode(
     sampler: Sampler | None = None,
     stats: Stats | None = None,
     tree: TreeSpec | None = None,
+    adaptive: AdaptiveCosts | None = None,
 ) -> list[int]:
     """One round: the drafter proposes a chain of K tokens (or a tree); the target scores the last
     token and every draft node in one forward pass; the verify rule keeps one path and adds one
-    target token."""
+    target token. adaptive: verify only the prefix of a chain that the drafter's confidences make
+    worth its cost (vLLM 0.32's rule, draftsmith/engine/verify.py); None = every draft."""
     device = next(target.parameters()).device
     names = () if proposer is None else proposer.feature_names
     cache = DynamicCache()
@@ -186,9 +208,14 @@ def speculative_decode(
             draft = Draft()
         else:
             ctx = torch.tensor([tokens], device=device)
+            start = time.perf_counter()
             draft = (
                 proposer.propose(ctx, feats, k, sampler) if tree is None else proposer.propose_tree(ctx, feats, tree)
             )
+            if stats is not None:
+                stats.draft_seconds += time.perf_counter() - start
+            # The cut reads the draft's own confidences only, before the target sees it: lossless.
+            draft = adaptive_draft(draft, adaptive)
         prefix = len(tokens) - 1  # the target has cached every token but the newest (the root)
         mask, positions = verification_inputs(draft, prefix, device)
         new_feats, logits = verification_forward(
@@ -212,4 +239,5 @@ def speculative_decode(
         tokens += new
         if stats is not None:
             stats.record(len(draft.tokens), min(len(path), len(new)), len(new), draft.max_depth)
+            stats.record_confidence(draft.confidence if tree is None else None, len(draft.tokens), len(path))
     return tokens[len(prompt) :]
