@@ -9,6 +9,7 @@ from typing import Any
 
 from draftsmith import DraftsmithError
 from draftsmith.engine.drafts import parse_tree
+from draftsmith.eval.config import EvalConfig
 from draftsmith.models.registry import DEFAULT_DRAFTER, drafter_module
 from draftsmith.target.load import resolve_target
 from draftsmith.util import precision
@@ -103,25 +104,6 @@ class OptimConfig:
     """`auto` (bf16 where the hardware runs it natively, else fp32), `no`/`fp32`, `bf16` or `fp16` (CUDA
     only); see draftsmith/util/precision.py. Passed to accelerate."""
     seed: int = 0
-
-
-@dataclass
-class EvalConfig:
-    enabled: bool = True
-    k: int = 5
-    """Draft tokens proposed per target verification pass."""
-    num_prompts: int = 20
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    """0 = greedy (token-exact lossless check); > 0 = lossless speculative sampling."""
-    top_p: float = 1.0
-    tree: str | None = None
-    """Draft tree instead of a chain, e.g. `dynamic:depth=5,top_k=8,tokens=48` (see draftsmith/engine/drafts.py)."""
-    dtype: str = "auto"
-    """Target and drafter dtype in the eval stage: `auto`, `float32`/`no` or `bfloat16` (draftsmith/util/precision.py)."""
-    general_holdout: str = ""
-    """With `init_from` (domain fine-tuning): a second holdout, e.g. the init's own domain. The eval then
-    reports τ on both holdouts before (the init) and after fine-tuning, side by side."""
 
 
 def _default_drafter() -> str:

@@ -1,0 +1,42 @@
+"""The flags of the data room's commands (`draftsmith data regenerate`, `data corpus`): one dataclass a
+command, one field a flag, the docstring its help (draftsmith/util/flags.py builds the parser). Light
+on purpose: `draftsmith --help` imports this module, and data/commands.py only when one runs. `data
+features` and `data inspect` read a recipe, so theirs are in train/args.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftsmith.util.precision import DTYPE_HELP, dtype_arg
+
+
+@dataclass(kw_only=True)
+class RegenerateArgs:
+    target: str = "smollm2-135m"
+    data: str
+    out: str
+    batch_size: int = 8
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    max_examples: int = 0
+    dtype: str = field(default="auto", metadata={"type": dtype_arg, "help": DTYPE_HELP})
+    engine: str = field(default="hf", metadata={"choices": ["hf", "vllm"]})
+    """hf: the target answers in this process (with features); vllm: through a vLLM server, exact token ids
+    read back"""
+    top_p: float = 1.0
+    """(--engine vllm)"""
+    concurrency: int = 16
+    """requests in flight (--engine vllm)"""
+    server: str | None = None
+    """an already running vLLM server of the target (--engine vllm)"""
+    vllm_python: str | None = None
+    """the Python of an environment with vLLM (--engine vllm)"""
+    vllm_arg: list[str] = field(default_factory=list)
+    """an extra `vllm serve` flag, passed unchanged, e.g. --vllm-arg=--tensor-parallel-size --vllm-arg=8
+    (--engine vllm)"""
+
+
+@dataclass(kw_only=True)
+class CorpusArgs:
+    name: str = field(metadata={"positional": True})
+    out: str

@@ -1,0 +1,89 @@
+"""The flags of the shipping commands (`draftsmith export`, `publish`, `serve-check`): one dataclass a
+command, one field a flag, the docstring its help (draftsmith/util/flags.py builds the parser).
+Light on purpose: `draftsmith --help` imports this module, and ship/commands.py only when one runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftsmith.util.precision import DTYPE_HELP, dtype_arg
+
+FORMATS = ["vllm", "sglang", "speculators", "hf"]
+
+
+@dataclass(kw_only=True)
+class ExportArgs:
+    drafter: str = field(metadata={"positional": True})
+    """a drafter folder (…/final)"""
+    format: str = field(metadata={"choices": FORMATS})
+    out: str
+    target: str | None = None
+    """target to check the drafter against (default: the one it was trained for)"""
+    verify: bool = False
+    """read the export back as its consumer maps it and check that it drafts exactly like the drafter on
+    a few holdout prompts; where vLLM is installed, also serve it there (serve-check on 4 prompts, report
+    in OUT-serve-check/)"""
+    data: str = "builtin:code-holdout"
+    """holdout prompts for --verify"""
+    dtype: str = field(
+        default="auto", metadata={"type": dtype_arg, "help": "the target's (and --verify's) precision: " + DTYPE_HELP}
+    )
+
+
+@dataclass(kw_only=True)
+class PublishArgs:
+    drafter: str = field(metadata={"positional": True})
+    """a drafter folder (…/final) whose run has an eval report"""
+    repo_id: str
+    """ORG/NAME on the Hugging Face Hub"""
+    format: str | None = field(default=None, metadata={"choices": FORMATS})
+    """default: the format vLLM serves the family from (its SERVE_FORMAT)"""
+    private: bool = False
+    revision: str | None = None
+    """upload to this branch (created if missing)"""
+    dry_run: bool = False
+    """write the folder that would be uploaded; upload nothing"""
+    force: bool = False
+    """publish without the run's eval report (a report whose greedy rounds broke the verification rule is
+    always refused; serving parity is always checked)"""
+    out: str | None = None
+    """the folder to write (default: next to the drafter, publish-FORMAT)"""
+    license: str = "other"
+    """model card license (the target's terms usually apply)"""
+    target: str | None = None
+    """target to check the drafter against (default: the one it was trained for)"""
+
+
+@dataclass(kw_only=True)
+class ServeCheckArgs:
+    dir: str = field(metadata={"positional": True})
+    """an exported folder (draftsmith export), or a drafter's final/ (exported first)"""
+    data: str
+    """holdout prompts (the same ids go to vLLM and to draftsmith's eval)"""
+    out: str
+    """folder for serve_check.json / .md / .png"""
+    num_prompts: int = 12
+    max_new_tokens: int = 96
+    k: int = 3
+    """draft tokens per step, in vLLM and draftsmith alike (Medusa: its heads)"""
+    concurrency: str = "1"
+    """vLLM tokens/s at these numbers of concurrent requests, e.g. 1,2,4,8,16 (beside draftsmith's
+    batch-size curve at the same sizes)"""
+    dtype: str = field(default="float32", metadata={"type": dtype_arg})
+    """both engines' precision (default float32: greedy outputs must then agree token for token)"""
+    drafter: str | None = None
+    """with an exported DIR: the trained final/ it came from, so draftsmith's side evaluates the trained
+    drafter, not the export read back"""
+    target: str | None = None
+    """draftsmith's target (default: the one the export names)"""
+    server: str | None = None
+    """an already running vLLM server serving this export (no server is started)"""
+    target_server: str | None = None
+    """an already running vLLM server of the target alone"""
+    vllm_python: str | None = None
+    """the Python of an environment with vLLM (default: $DRAFTSMITH_VLLM_PYTHON, then .venv-vllm)"""
+    port: int = 0
+    """port for the servers started here (default: a free one)"""
+    vllm_arg: list[str] = field(default_factory=list)
+    """an extra `vllm serve` flag, passed unchanged (repeat; e.g. --vllm-arg=--tensor-parallel-size
+    --vllm-arg=8)"""

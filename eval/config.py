@@ -1,0 +1,26 @@
+"""The eval stage's settings: a recipe's `eval:` section, and the defaults of the flags of
+`draftsmith eval` and `compare` that set the same things (eval/args.py). Light on purpose:
+`draftsmith --help` imports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EvalConfig:
+    enabled: bool = True
+    k: int = 5
+    """Draft tokens proposed per target verification pass."""
+    num_prompts: int = 20
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    """0 = greedy (token-exact lossless check); > 0 = lossless speculative sampling."""
+    top_p: float = 1.0
+    tree: str | None = None
+    """Draft tree instead of a chain, e.g. `dynamic:depth=5,top_k=8,tokens=48` (see draftsmith/engine/drafts.py)."""
+    dtype: str = "auto"
+    """Target and drafter dtype in the eval stage: `auto`, `float32`/`no` or `bfloat16` (draftsmith/util/precision.py)."""
+    general_holdout: str = ""
+    """With `init_from` (domain fine-tuning): a second holdout, e.g. the init's own domain. The eval then
+    reports τ on both holdouts before (the init) and after fine-tuning, side by side."""
