@@ -22,6 +22,7 @@ import argparse
 import json
 import resource
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from torch import nn
@@ -29,6 +30,8 @@ from torch import nn
 from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.engine.proposers import Proposer
 from draftsmith.engine.speculative import target_decode
+from draftsmith.eval.config import EvalConfig
+from draftsmith.eval.drafters import Resolved
 from draftsmith.eval.report import format_table
 from draftsmith.eval.run import backbone_drift, evaluate, target_baseline
 from draftsmith.models.registry import load_drafter, target_to_load_on
@@ -151,7 +154,7 @@ def main(argv=None) -> None:
     metas = {name: json.loads((Path(path) / "config.json").read_text()) for name, path in drafters.items()}
     target_name = next(iter(metas.values()))["target"]
     target, tok = load_target(target_name, args.dtype)
-    common = dict(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, target_name=target_name)
+    base = EvalConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
     reports, costs, baselines = [], {}, {}
 
     def baseline(verifier, temperature: float):
@@ -160,7 +163,7 @@ def main(argv=None) -> None:
         if verifier is not target:
             return None
         if temperature not in baselines:
-            baselines[temperature] = target_baseline(target, tok, args.data, **common, temperature=temperature)
+            baselines[temperature] = target_baseline(target, tok, args.data, replace(base, temperature=temperature))
         return baselines[temperature]
 
     for name, meta in metas.items():
@@ -180,14 +183,12 @@ def main(argv=None) -> None:
         for run in runs:
             before = (timed.seconds, timed.rounds, timed.steps)
             r = evaluate(
-                timed,
-                name,
-                verifier,
+                Resolved(name, timed, verifier, None),
                 tok,
                 args.data,
                 None,
-                **common,
-                **run,
+                replace(base, **run),
+                target_name=target_name,
                 baseline=baseline(verifier, run.get("temperature", 0.0)),
             )
             r["draft_ms_per_round"] = round(1e3 * (timed.seconds - before[0]) / max(timed.rounds - before[1], 1), 2)
@@ -224,9 +225,7 @@ def main(argv=None) -> None:
                     tok,
                     args.data,
                     module.make_proposer(drafter, verifier, dcfg),
-                    k=k,
-                    num_prompts=args.num_prompts,
-                    max_new_tokens=args.max_new_tokens,
+                    replace(base, k=k),
                 )
             print(f"{name}: backbone drift {costs[name]['drift']}")
 

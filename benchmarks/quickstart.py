@@ -16,7 +16,8 @@ import os
 import resource
 from pathlib import Path
 
-from draftsmith.eval.drafters import make_baseline
+from draftsmith.eval.config import EvalConfig
+from draftsmith.eval.drafters import Resolved, make_baseline
 from draftsmith.eval.report import format_table
 from draftsmith.eval.run import evaluate
 from draftsmith.models.registry import load_drafter
@@ -39,23 +40,13 @@ def main(argv=None) -> None:
     meta = json.loads((Path(args.drafter) / "config.json").read_text())
     target, tok = load_target(meta["target"])
     module, dcfg, drafter = load_drafter(args.drafter, target)
-    common = dict(
-        k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, target_name=meta["target"]
-    )
-    reports = [
-        evaluate(make_baseline("none"), "none", target, tok, args.data, None, **common),
-        evaluate(make_baseline("ngram"), "ngram", target, tok, args.data, None, **common),
-        evaluate(
-            module.make_proposer(drafter, target, dcfg),
-            module.NAME,
-            target,
-            tok,
-            args.data,
-            None,
-            **common,
-            tree=args.tree,
-        ),
+    cfg = EvalConfig(k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
+    drafters = [
+        Resolved("none", make_baseline("none"), target, None),
+        Resolved("ngram", make_baseline("ngram"), target, None),
+        Resolved(module.NAME, module.make_proposer(drafter, target, dcfg), target, args.tree),
     ]
+    reports = [evaluate(d, tok, args.data, None, cfg, target_name=meta["target"]) for d in drafters]
     print(
         f"measured on {precision.describe(precision.hardware(next(target.parameters()).device))}, {reports[0]['dtype']}"
     )

@@ -30,6 +30,8 @@ import torch
 
 from draftsmith.data.batching import collate
 from draftsmith.data.load import read_records, to_messages, tokenize_example
+from draftsmith.eval.config import EvalConfig
+from draftsmith.eval.drafters import Resolved
 from draftsmith.eval.report import format_table
 from draftsmith.eval.run import backbone_drift, evaluate
 from draftsmith.models.registry import load_drafter
@@ -117,40 +119,36 @@ def main(argv=None) -> None:
         )
     update_s = time.perf_counter() - t0
     updated, _ = load_target(str(updated_dir), "auto")
-    common = dict(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, tree=args.tree)
+    cfg = EvalConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, tree=args.tree)
 
     module, dcfg, drafter = load_drafter(args.drafter, target)
     rows = [
         (
             "original target",
             evaluate(
-                module.make_proposer(drafter, target, dcfg),
-                "original target",
-                target,
+                Resolved("original target", module.make_proposer(drafter, target, dcfg), target, None),
                 tok,
                 args.data,
                 None,
+                cfg,
                 target_name=meta["target"],
-                **common,
             ),
         )
     ]
-    drift = backbone_drift(target, updated, tok, args.data, module.make_proposer(drafter, target, dcfg), **common)
+    drift = backbone_drift(target, updated, tok, args.data, module.make_proposer(drafter, target, dcfg), cfg)
     stale = {"trained_for": meta["target_fingerprint"], "evaluated_on": fingerprint(updated)}
     module, dcfg, drafter = load_drafter(args.drafter, updated, allow_stale=True)
     rows.append(
         (
             "updated target, stale drafter",
             evaluate(
-                module.make_proposer(drafter, updated, dcfg),
-                "stale",
-                updated,
+                Resolved("stale", module.make_proposer(drafter, updated, dcfg), updated, None),
                 tok,
                 args.data,
                 None,
+                cfg,
                 target_name=str(updated_dir),
                 stale=stale,
-                **common,
             ),
         )
     )
@@ -182,14 +180,12 @@ def main(argv=None) -> None:
         (
             "updated target, refreshed drafter",
             evaluate(
-                module.make_proposer(drafter, updated, dcfg),
-                "refreshed",
-                updated,
+                Resolved("refreshed", module.make_proposer(drafter, updated, dcfg), updated, None),
                 tok,
                 args.data,
                 None,
+                cfg,
                 target_name=str(updated_dir),
-                **common,
             ),
         )
     )

@@ -12,6 +12,7 @@ from draftsmith.engine.batched import parse_batch_sizes
 from draftsmith.engine.drafts import parse_tree
 from draftsmith.eval.args import CompareArgs, EvalArgs, LayerskipArgs
 from draftsmith.eval.compare import compare, compare_table
+from draftsmith.eval.config import EvalConfig
 from draftsmith.eval.drafters import parse_drafter, resolve, trained_folders
 from draftsmith.eval.outputs import checked_out, standalone_folder, unused_folder
 from draftsmith.eval.report import format_table, require_rule_exact
@@ -22,6 +23,12 @@ from draftsmith.models.registry import load_drafter
 # The module, not its functions: load_target is looked up when called, so a test that replaces it
 # proves that no model loads before the inputs are checked (tests/test_bad_input.py).
 from draftsmith.target import load as target_load
+
+
+def eval_config(args: EvalArgs | CompareArgs) -> EvalConfig:
+    """The eval stage's settings the flags give (the flags mirror EvalConfig's fields)."""
+    names = ("k", "num_prompts", "max_new_tokens", "temperature", "top_p", "tree", "dtype")
+    return EvalConfig(**{name: getattr(args, name) for name in names})
 
 
 def _eval_inputs(args: EvalArgs) -> tuple[list[int] | None, str, list[dict], bool, Path]:
@@ -55,25 +62,16 @@ def run_eval(args: EvalArgs) -> None:
     batch_sizes, path, metas, trained, out = _eval_inputs(args)
     target_name = args.target or (metas[0]["target"] if metas else None) or "smollm2-135m"
     target, tok = target_load.load_target(target_name, args.dtype)
-    common = dict(
-        k=args.k,
-        num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens,
-        target_name=target_name,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        tree=args.tree,
-        batch_sizes=batch_sizes,
-    )
+    cfg = eval_config(args)
+    options = dict(target_name=target_name, batch_sizes=batch_sizes)
     if not trained:  # training-free drafters and combinations (eval/drafters.py `resolve`)
-        label, proposer, verifier, tree = resolve(args.drafter, target, args.allow_stale)
-        report = evaluate(proposer, label, verifier, tok, args.data, out, **{**common, "tree": tree or args.tree})
+        report = evaluate(resolve(args.drafter, target, args.allow_stale), tok, args.data, out, cfg, **options)
     else:
         module, dcfg, drafter = load_drafter(path, target, allow_stale=args.allow_stale)
         now = target_load.fingerprint(target)
         if metas[0]["target_fingerprint"] != now:  # allowed: the report says so, with both fingerprints
-            common["stale"] = {"trained_for": metas[0]["target_fingerprint"], "evaluated_on": now}
-        report = evaluate_drafter(module, drafter, dcfg, target, tok, args.data, out, **common)
+            options["stale"] = {"trained_for": metas[0]["target_fingerprint"], "evaluated_on": now}
+        report = evaluate_drafter(module, drafter, dcfg, target, tok, args.data, out, cfg, **options)
     print(format_table([report]))
     print(f"wrote {out}/report.json, report.md, acceptance.png")
     require_rule_exact(report, str(out))
@@ -92,13 +90,8 @@ def run_compare(args: CompareArgs) -> None:
         target,
         tok,
         Path(args.out),
-        k=args.k,
-        num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens,
+        eval_config(args),
         target_name=target_name,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        tree=args.tree,
         batch_sizes=batch_sizes,
     )
     print(compare_table(reports))

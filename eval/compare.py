@@ -11,31 +11,33 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from draftsmith import DraftsmithError
+from draftsmith.eval.config import EvalConfig
 from draftsmith.eval.drafters import parse_drafter, resolve
 from draftsmith.eval.report import LOSSLESS_NOTE, lossless_cell
 from draftsmith.eval.run import evaluate, target_baseline
 
 
-def compare(drafters: list[str], holdouts: list[str], target, tok, out: Path | None, **kwargs) -> list[dict]:
-    """kwargs: evaluate's flags (k, num_prompts, max_new_tokens, temperature, top_p, tree, target_name)."""
+def compare(
+    drafters: list[str], holdouts: list[str], target, tok, out: Path | None, cfg: EvalConfig, **options
+) -> list[dict]:
+    """Every drafter spec on every holdout, in the eval stage's settings `cfg` (its tree for every
+    drafter that builds trees; a spec's own `@TREE` wins). options: evaluate's (target_name, batch_sizes)."""
     if not drafters or not holdouts:
         raise DraftsmithError("compare: give at least one --drafter and one --data")
-    loaded = [(parse_drafter(spec)[0], *resolve(spec, target)) for spec in drafters]
+    loaded = [(parse_drafter(spec)[0], resolve(spec, target)) for spec in drafters]
     reports = []
     for holdout in holdouts:
-        shared = target_baseline(target, tok, holdout, **kwargs)  # target-only, once per holdout
-        for path, label, proposer, verifier, tree in loaded:
+        shared = target_baseline(target, tok, holdout, cfg)  # target-only, once per holdout
+        for path, drafter in loaded:
+            trees = drafter.proposer is not None and drafter.proposer.drafts_trees
+            run = replace(cfg, tree=cfg.tree if trees else None)
             # A drafter verified by its own trained backbone (Medusa-2) needs that backbone's baseline.
-            run = {
-                **kwargs,
-                "tree": tree or (kwargs.get("tree") if proposer is not None and proposer.drafts_trees else None),
-            }
-            r = evaluate(
-                proposer, label, verifier, tok, holdout, None, **run, baseline=shared if verifier is target else None
-            )
+            baseline = shared if drafter.verifier is target else None
+            r = evaluate(drafter, tok, holdout, None, run, baseline=baseline, **options)
             reports.append({**r, "drafter_path": path})
     if out is not None:
         write_compare(reports, Path(out))

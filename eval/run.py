@@ -25,6 +25,8 @@ from draftsmith.engine.speculative import (
     verification_forward,
 )
 from draftsmith.engine.verify import AdaptiveCosts, verification_inputs
+from draftsmith.eval.config import EvalConfig
+from draftsmith.eval.drafters import Resolved
 from draftsmith.eval.report import write_report
 from draftsmith.target.load import eos_ids
 from draftsmith.util.calibration import calibration
@@ -44,19 +46,13 @@ def divergence_gap(target, prompt: list[int], ref: list[int], generated: list[in
 
 
 def evaluate(
-    proposer,
-    name: str,
-    target,
+    drafter: Resolved,
     tok,
     holdout: str,
     out: Path | None,
-    k: int = 5,
-    num_prompts: int = 20,
-    max_new_tokens: int = 64,
+    cfg: EvalConfig,
+    *,
     target_name: str = "",
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    tree: str | None = None,
     baseline: list[tuple[list[int], float]] | None = None,
     stale: dict | None = None,
     kernels: bool = True,
@@ -65,8 +61,11 @@ def evaluate(
     adaptive_costs: AdaptiveCosts | None = None,
 ) -> dict:
     """Decode each holdout prompt target-only and speculatively; measure τ, acceptance, speed.
-    proposer: a drafter's proposer (`module.make_proposer`), an NgramProposer, or None (k becomes 0).
-    tree: a tree spec (draftsmith/engine/drafts.py) instead of a chain of k drafts; k then reports the tree depth.
+    drafter: what decodes, as eval/drafters.py resolves a spec: its label, its proposer (None:
+    target-only, k becomes 0), the model that verifies (the target, or a backbone the drafter trained)
+    and its own tree (a spec's `@TREE`), which wins over cfg.tree.
+    cfg: the eval stage's settings (eval/config.py): k, num_prompts, max_new_tokens, temperature, top_p,
+    tree (draftsmith/engine/drafts.py, instead of a chain of k drafts; k then reports the tree depth).
     baseline: target-only (output, seconds) per prompt from `target_baseline`, measured once and shared
     by several drafters (`draftsmith compare`); by default it is measured here, prompt by prompt.
     kernels: decode on prepacked oneDNN linears in fp32 on CPU (draftsmith/util/kernels.py); False = torch's default.
@@ -75,6 +74,9 @@ def evaluate(
     "adaptive": the calibration of its confidences on the verified drafts of this run, and the same
     prompts decoded again with adaptive verification beside this full-block run (`adaptive_section`).
     adaptive_costs: that run's cost model; None = measured here (`measure_costs`)."""
+    name, proposer, target = drafter.label, drafter.proposer, drafter.verifier
+    k, tree, temperature, top_p = cfg.k, drafter.tree or cfg.tree, cfg.temperature, cfg.top_p
+    max_new_tokens = cfg.max_new_tokens
     spec = parse_tree(tree) if tree else None
     if batch_sizes and (spec is not None or temperature > 0):
         raise DraftsmithError(
@@ -93,7 +95,7 @@ def evaluate(
         k = 0
     elif spec is not None:
         k = spec.depth
-    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts, split)]
+    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, cfg.num_prompts, split)]
     eos = eos_ids(target, tok)
     device = next(target.parameters()).device
 
@@ -290,74 +292,58 @@ def fresh_copies(proposer):
 
 
 def target_baseline(
-    target,
-    tok,
-    holdout: str,
-    num_prompts: int = 20,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    kernels: bool = True,
-    split: str = "train",
-    **_,
+    target, tok, holdout: str, cfg: EvalConfig, kernels: bool = True, split: str = "train"
 ) -> list[tuple[list[int], float]]:
     """Target-only decoding of the holdout prompts: (output, seconds) per prompt, seeded as `evaluate`
     seeds them, so a shared baseline is the one `evaluate` would have measured."""
-    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts, split)]
+    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, cfg.num_prompts, split)]
     eos, device = eos_ids(target, tok), next(target.parameters()).device
     with packed_linears(target, enabled=kernels):
-        target_decode(target, prompts[0][:8], max_new_tokens, eos, None)  # warm-up, as in evaluate
+        target_decode(target, prompts[0][:8], cfg.max_new_tokens, eos, None)  # warm-up, as in evaluate
         return [
             timed(
                 target_decode,
                 target,
                 p,
-                max_new_tokens,
+                cfg.max_new_tokens,
                 eos,
-                Sampler(temperature, top_p, n, device) if temperature > 0 else None,
+                Sampler(cfg.temperature, cfg.top_p, n, device) if cfg.temperature > 0 else None,
             )
             for n, p in enumerate(prompts)
         ]
 
 
-def evaluate_drafter(module, drafter, dcfg, target, tok, holdout: str, out: Path | None, **kwargs) -> dict:
+def evaluate_drafter(
+    module, drafter, dcfg, target, tok, holdout: str, out: Path | None, cfg: EvalConfig, **options
+) -> dict:
     """The eval stage for a trained drafter of any family. The family's `verifier` checks the drafts:
     the target itself, or for a family that trained the backbone (Medusa-2) the trained backbone with
-    its adapters merged, and then the report adds that backbone's drift from the original target."""
+    its adapters merged, and then the report adds that backbone's drift from the original target.
+    options: evaluate's keyword options (target_name, stale, batch_sizes, split, ...)."""
     verifier = module.verifier(drafter, target)
     proposer = module.make_proposer(drafter, verifier, dcfg)
-    report = evaluate(proposer, module.NAME, verifier, tok, holdout, None, **kwargs)
+    report = evaluate(Resolved(module.NAME, proposer, verifier, None), tok, holdout, None, cfg, **options)
     if verifier is not target:
         with module.original(drafter, target) as original:
-            report["drift"] = backbone_drift(original, verifier, tok, holdout, proposer, **kwargs)
+            split = options.get("split", "train")
+            report["drift"] = backbone_drift(original, verifier, tok, holdout, proposer, cfg, split)
     if out is not None:
         write_report(report, out)
     return report
 
 
 @torch.no_grad()
-def backbone_drift(
-    original,
-    trained,
-    tok,
-    holdout: str,
-    proposer,
-    k: int = 5,
-    num_prompts: int = 20,
-    max_new_tokens: int = 64,
-    tree: str | None = None,
-    split: str = "train",
-    **_,
-) -> dict:
+def backbone_drift(original, trained, tok, holdout: str, proposer, cfg: EvalConfig, split: str = "train") -> dict:
     """How far training moved the verifier, on the holdout prompts (greedy):
     - unchanged_fraction: prompts whose greedy output is the same under the original and the trained target;
     - token_agreement: along the original's greedy output, how often the trained target's next-token
       argmax is the original's token (teacher-forced, so one early change does not count twice);
     - original_tau: τ of the same heads drafting for the *original* target (what they would give if
       the backbone were served unchanged)."""
-    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts, split)]
+    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, cfg.num_prompts, split)]
     eos, device = eos_ids(original, tok), next(original.parameters()).device
-    spec, stats = (parse_tree(tree) if tree else None), Stats(k=k)
+    k, max_new_tokens = cfg.k, cfg.max_new_tokens
+    spec, stats = (parse_tree(cfg.tree) if cfg.tree else None), Stats(k=k)
     unchanged, agree, total = 0, 0, 0
     for prompt in prompts:
         ref = target_decode(original, prompt, max_new_tokens, eos)

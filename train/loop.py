@@ -414,25 +414,23 @@ def eval_stage(cfg: Config, accelerator, module, dcfg, drafter, target, tok, fin
             else accelerator.unwrap_model(drafter)
         )
     drafter = drafter.to(next(target.parameters()).dtype).eval()
-    kwargs = dict(
-        k=cfg.eval.k,
-        num_prompts=cfg.eval.num_prompts,
-        max_new_tokens=cfg.eval.max_new_tokens,
-        target_name=cfg.target,
-        temperature=cfg.eval.temperature,
-        top_p=cfg.eval.top_p,
-        tree=cfg.eval.tree,
-        split=cfg.data.holdout_split or cfg.data.split,
+    # The eval stage's settings are the recipe's `eval:` section (eval/config.py EvalConfig).
+    options = dict(target_name=cfg.target, split=cfg.data.holdout_split or cfg.data.split)
+    report = evaluate_drafter(
+        module, drafter, dcfg, target, tok, cfg.data.holdout, cfg.run_dir / "eval", cfg.eval, **options
     )
-    report = evaluate_drafter(module, drafter, dcfg, target, tok, cfg.data.holdout, cfg.run_dir / "eval", **kwargs)
     accelerator.print(format_table([report]))
     if init_state is not None:  # fine-tuned: the init's τ and ours, on the domain and the general holdout
         holdouts = [cfg.data.holdout] + [h for h in [cfg.eval.general_holdout] if h and h != cfg.data.holdout]
         rows = [("after", report)] + [
-            ("after", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, **kwargs)) for h in holdouts[1:]
+            ("after", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, cfg.eval, **options))
+            for h in holdouts[1:]
         ]
         drafter.load_state_dict(init_state)
-        rows += [("before", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, **kwargs)) for h in holdouts]
+        rows += [
+            ("before", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, cfg.eval, **options))
+            for h in holdouts
+        ]
         accelerator.print(write_before_after(rows, cfg.run_dir / "eval"))
     require_rule_exact(report, str(cfg.run_dir / "eval"))  # after everything is written: the evidence stays
     return report

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from draftsmith import DraftsmithError
 from draftsmith.data.load import encode_prompt, load_prompts
+from draftsmith.eval.config import EvalConfig
+from draftsmith.eval.drafters import Resolved
 from draftsmith.eval.report import _where, lossless_cell
 from draftsmith.eval.run import evaluate, target_baseline
 from draftsmith.models.folder import read_drafter_meta
@@ -110,20 +112,17 @@ def draftsmith_side(
         )
         module, dcfg, drafter = import_export(export_dir, verifier)
     proposer = module.make_proposer(drafter, verifier, dcfg)
-    common = dict(num_prompts=num_prompts, max_new_tokens=max_new_tokens)
-    baseline = target_baseline(verifier, tok, data, **common)
+    cfg = EvalConfig(k=k, num_prompts=num_prompts, max_new_tokens=max_new_tokens)  # greedy, chains
+    baseline = target_baseline(verifier, tok, data, cfg)
     report = evaluate(
-        proposer,
-        module.NAME,
-        verifier,
+        Resolved(module.NAME, proposer, verifier, None),
         tok,
         data,
         None,
-        k=k,
+        cfg,
         target_name=info["target"],
         baseline=baseline,
         batch_sizes=batch_sizes,
-        **common,
     )
     return report, [out for out, _ in baseline]
 

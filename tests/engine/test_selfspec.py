@@ -47,6 +47,7 @@ def test_bad_skip_sets_are_errors(deep_target):
 
 def test_calibration_picks_layers_saves_them_and_compare_loads_them(deep_target, chat_jsonl, tmp_path):
     from draftsmith.eval.compare import compare
+    from draftsmith.eval.config import EvalConfig
 
     target, tok, path = deep_target
     choice = selfspec.calibrate(
@@ -56,7 +57,9 @@ def test_calibration_picks_layers_saves_them_and_compare_loads_them(deep_target,
     assert choice["cost_fraction"] <= 1 and choice["tau"] >= 1
     out = selfspec.save(choice, target, str(path), tmp_path / "skip")
     assert json.loads((out / "layerskip.json").read_text())["skip"] == choice["skip"]
-    reports = compare([str(out)], [str(chat_jsonl)], target, tok, None, k=2, num_prompts=2, max_new_tokens=8)
+    reports = compare(
+        [str(out)], [str(chat_jsonl)], target, tok, None, EvalConfig(k=2, num_prompts=2, max_new_tokens=8)
+    )
     assert reports[0]["drafter"].startswith("layerskip") and reports[0]["lossless"]
 
 

@@ -11,6 +11,8 @@ import torch
 from draftsmith.engine.drafts import Draft
 from draftsmith.engine.proposers import NgramProposer
 from draftsmith.engine.verify import AdaptiveCosts
+from draftsmith.eval.config import EvalConfig
+from draftsmith.eval.drafters import Resolved
 from draftsmith.eval.run import evaluate, measure_costs
 from draftsmith.util.calibration import calibration
 from tests.engine.test_speculative import OracleProposer
@@ -87,8 +89,9 @@ def test_eval_reports_calibration_and_adaptive_verification_for_a_drafter_with_c
     one_thread, tiny_target, chat_jsonl, tmp_path
 ):
     target, tok = tiny_target
-    flags = {"k": 3, "num_prompts": 2, "max_new_tokens": 12, "kernels": False}
-    report = evaluate(Confident(target), "confident", target, tok, str(chat_jsonl), tmp_path / "eval", **flags)
+    cfg = EvalConfig(k=3, num_prompts=2, max_new_tokens=12)
+    confident = Resolved("confident", Confident(target), target, None)
+    report = evaluate(confident, tok, str(chat_jsonl), tmp_path / "eval", cfg, kernels=False)
     cal, ad = report["calibration"], report["adaptive"]
     assert cal["n"] > 0 and 0.0 <= cal["ece"] <= 1.0 and len(cal["bins"]) == 10
     assert sum(b["n"] for b in cal["bins"]) == cal["n"]
@@ -103,25 +106,16 @@ def test_eval_reports_calibration_and_adaptive_verification_for_a_drafter_with_c
     md = (out / "report.md").read_text()
     assert "## Confidence calibration" in md and "## Adaptive verification" in md
     # Given costs: a costly verification cuts every chain to what its confidences justify.
-    given = evaluate(
-        Confident(target),
-        "confident",
-        target,
-        tok,
-        str(chat_jsonl),
-        None,
-        adaptive_costs=AdaptiveCosts(0.0, 0.5),
-        **flags,
-    )
+    confident = Resolved("confident", Confident(target), target, None)
+    given = evaluate(confident, tok, str(chat_jsonl), None, cfg, kernels=False, adaptive_costs=AdaptiveCosts(0.0, 0.5))
     assert given["adaptive"]["costs"] == "given" and given["adaptive"]["beta"] == 0.5
     assert given["adaptive"]["adaptive"]["verified_per_round"] < 3 and given["adaptive"]["adaptive"]["lossless"]
 
 
 def test_drafters_without_confidences_get_no_new_sections(one_thread, tiny_target, chat_jsonl, tmp_path):
     target, tok = tiny_target
-    report = evaluate(
-        NgramProposer(), "ngram", target, tok, str(chat_jsonl), tmp_path / "eval", k=3, num_prompts=2, max_new_tokens=8
-    )
+    ngram = Resolved("ngram", NgramProposer(), target, None)
+    report = evaluate(ngram, tok, str(chat_jsonl), tmp_path / "eval", EvalConfig(k=3, num_prompts=2, max_new_tokens=8))
     assert "calibration" not in report and "adaptive" not in report
     assert not (tmp_path / "eval" / "reliability.png").exists()
     assert "calibration" not in (tmp_path / "eval" / "report.md").read_text().lower()

@@ -93,14 +93,15 @@ def test_allow_stale_is_required_for_another_target_and_the_report_marks_it(
 
 def test_compare_gives_the_numbers_separate_evals_give(tiny_target_dir, chat_jsonl, tmp_path):
     from draftsmith.eval.compare import compare
-    from draftsmith.eval.drafters import make_baseline
+    from draftsmith.eval.config import EvalConfig
+    from draftsmith.eval.drafters import Resolved, make_baseline
     from draftsmith.eval.run import evaluate
     from draftsmith.target.load import load_target
 
     target, tok = load_target(str(tiny_target_dir))
-    flags = dict(k=3, num_prompts=3, max_new_tokens=10)
-    together = compare(["ngram"], [str(chat_jsonl)], target, tok, None, **flags)[0]
-    alone = evaluate(make_baseline("ngram"), "ngram", target, tok, str(chat_jsonl), None, **flags)
+    cfg = EvalConfig(k=3, num_prompts=3, max_new_tokens=10)
+    together = compare(["ngram"], [str(chat_jsonl)], target, tok, None, cfg)[0]
+    alone = evaluate(Resolved("ngram", make_baseline("ngram"), target, None), tok, str(chat_jsonl), None, cfg)
     for key in ("tau", "acceptance_rate", "per_position", "new_tokens", "lossless"):
         assert together[key] == alone[key], key
 

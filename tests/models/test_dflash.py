@@ -9,6 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith import DraftsmithError
 from draftsmith.engine.speculative import Sampler, Stats, speculative_greedy, target_greedy
+from draftsmith.eval.config import EvalConfig
+from draftsmith.eval.drafters import Resolved
 from draftsmith.eval.run import evaluate
 from draftsmith.models import dflash
 from draftsmith.ship.export import export, export_family, init_weights
@@ -122,7 +124,8 @@ def test_training_learns_and_greedy_stays_lossless(target4, extra):
     )
     assert len(draft.tokens) == 3 and all(q is not None and abs(float(q.sum()) - 1) < 1e-5 for q in draft.qs)
     with pytest.raises(DraftsmithError, match="proposes chains only"):
-        evaluate(proposer, "dflash", target4, None, None, None, tree="dynamic:depth=2,top_k=2,tokens=3")
+        tree = EvalConfig(tree="dynamic:depth=2,top_k=2,tokens=3")
+        evaluate(Resolved("dflash", proposer, target4, None), None, None, None, tree)
     assert proposer.max_depth == dflash.max_draft_depth(cfg) == 3
 
 

@@ -339,6 +339,8 @@ def test_lambda0_ramps_up_from_the_start_of_joint_training(schedule, mid):
 
 
 def test_medusa2_trains_is_verified_by_its_backbone_and_exports_it(tiny_target_dir, chat_jsonl, tmp_path):
+    from draftsmith.eval.config import EvalConfig
+    from draftsmith.eval.drafters import Resolved
     from draftsmith.eval.run import evaluate
     from draftsmith.ship.export import export, import_export
     from draftsmith.target.load import load_target
@@ -385,15 +387,11 @@ def test_medusa2_trains_is_verified_by_its_backbone_and_exports_it(tiny_target_d
     # Round trip: the exported heads drafting for the exported backbone give the eval stage's τ.
     _, _, heads = import_export(out, new_target)
     again = evaluate(
-        medusa.MedusaProposer(heads),
-        "medusa",
-        new_target,
+        Resolved("medusa", medusa.MedusaProposer(heads), new_target, None),
         new_tok,
         str(chat_jsonl),
         None,
-        k=2,
-        num_prompts=3,
-        max_new_tokens=12,
+        EvalConfig(k=2, num_prompts=3, max_new_tokens=12),
     )
     assert again["tau"] == report["tau"] and lossless_ok(again)
 

@@ -112,6 +112,7 @@ def test_bad_inits_are_one_line_errors(tiny_target, other_target_dir, tmp_path):
 
 
 def test_a_fine_tuning_run_reports_both_holdouts_before_and_after(tiny_target_dir, chat_jsonl, tmp_path):
+    from draftsmith.eval.config import EvalConfig
     from draftsmith.eval.run import evaluate_drafter
     from draftsmith.models.registry import load_drafter
     from draftsmith.target.load import load_target
@@ -155,7 +156,6 @@ def test_a_fine_tuning_run_reports_both_holdouts_before_and_after(tiny_target_di
     # "before" is the init itself: the same τ as evaluating the first run's drafter on that holdout.
     target, tok = load_target(str(tiny_target_dir))
     module, dcfg, init = load_drafter(first / "final", target)
-    again = evaluate_drafter(
-        module, init, dcfg, target, tok, str(chat_jsonl), None, k=2, num_prompts=2, max_new_tokens=10
-    )
+    cfg = EvalConfig(k=2, num_prompts=2, max_new_tokens=10)
+    again = evaluate_drafter(module, init, dcfg, target, tok, str(chat_jsonl), None, cfg)
     assert table[str(chat_jsonl)]["before"]["tau"] == again["tau"]
