@@ -36,6 +36,13 @@ TINY_DRAFTERS = {
     "eagle3": {"drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60},
     "peagle": {"drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60, "drafter.depths": 3},
     "dflash": {"drafter.aux_layers": [0, 1], "drafter.block_size": 4},
+    "dspark": {"drafter.aux_layers": [0, 1], "drafter.block_size": 4, "drafter.markov_rank": 8},
+    "dflash2": {
+        "drafter.aux_layers": [0, 1],
+        "drafter.block_size": 4,
+        "drafter.selector_rank": 8,
+        "drafter.selector_top_k": 4,
+    },
     "medusa": {"drafter.num_heads": 2},
     "distill": {"drafter.num_layers": 1},
 }

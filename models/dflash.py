@@ -23,6 +23,12 @@ works in vLLM. Default: the target's pad token, else its eos (speculators' fallb
 has no mask token and no spare embedding row; SmolLM2's 49152 rows are all tokens). A recipe may name
 a rare special token instead (the SmolLM2 recipe uses 16, `<empty_output>`), so a mask slot never
 looks like a real token.
+
+DSpark (models/dspark.py) is this backbone plus two heads: it calls the functions here (the backbone
+`add_backbone` / `context_kv` / `block_pass`, the packed blocks and labels `block_targets`, the slot
+loss `slot_token_loss`, the export config `speculators_block_config`), never a subclass. DFlash2
+(models/dflash2.py) calls the same functions, wrapping each layer's attention and MLP in its
+convolutions through `block_pass`'s `around`.
 """
 
 from __future__ import annotations
@@ -82,26 +88,30 @@ class DrafterConfig:
     """Blocks per sequence per step, drawn at random among the trained positions (fewer if fewer)."""
 
     def __post_init__(self):
-        check_loss(self.loss, "drafter.loss", TOKEN_LOSSES)
-        if not isinstance(self.block_size, int) or self.block_size < 2:
-            raise DraftsmithError(
-                f"drafter.block_size: expected >= 2 (the bonus slot + at least one mask slot), got {self.block_size}"
-            )
-        if self.position_weighting not in WEIGHTINGS:
-            raise DraftsmithError(
-                f"drafter.position_weighting: unknown '{self.position_weighting}' (valid: {', '.join(WEIGHTINGS)})"
-            )
-        if self.num_layers < 1 or self.num_anchors < 1 or self.gamma <= 0 or not 0 <= self.dpace_alpha <= 1:
-            raise DraftsmithError(
-                f"drafter: expected num_layers >= 1, num_anchors >= 1, gamma > 0 and "
-                f"0 <= dpace_alpha <= 1, got {self.num_layers}, {self.num_anchors}, {self.gamma}, "
-                f"{self.dpace_alpha}"
-            )
-        if self.aux_layers is not None and len(set(self.aux_layers)) != len(self.aux_layers):
-            raise DraftsmithError(
-                f"drafter.aux_layers: repeated layer ids {list(self.aux_layers)} (vLLM refuses "
-                f"them); name each layer once"
-            )
+        check_block_config(self)
+
+
+def check_block_config(cfg) -> None:
+    """The one-line errors of a config of DFlash's backbone (this family's and DSpark's)."""
+    check_loss(cfg.loss, "drafter.loss", TOKEN_LOSSES)
+    if not isinstance(cfg.block_size, int) or cfg.block_size < 2:
+        raise DraftsmithError(
+            f"drafter.block_size: expected >= 2 (the bonus slot + at least one mask slot), got {cfg.block_size}"
+        )
+    if cfg.position_weighting not in WEIGHTINGS:
+        raise DraftsmithError(
+            f"drafter.position_weighting: unknown '{cfg.position_weighting}' (valid: {', '.join(WEIGHTINGS)})"
+        )
+    if cfg.num_layers < 1 or cfg.num_anchors < 1 or cfg.gamma <= 0 or not 0 <= cfg.dpace_alpha <= 1:
+        raise DraftsmithError(
+            f"drafter: expected num_layers >= 1, num_anchors >= 1, gamma > 0 and "
+            f"0 <= dpace_alpha <= 1, got {cfg.num_layers}, {cfg.num_anchors}, {cfg.gamma}, "
+            f"{cfg.dpace_alpha}"
+        )
+    if cfg.aux_layers is not None and len(set(cfg.aux_layers)) != len(cfg.aux_layers):
+        raise DraftsmithError(
+            f"drafter.aux_layers: repeated layer ids {list(cfg.aux_layers)} (vLLM refuses them); name each layer once"
+        )
 
 
 def aux_layers(cfg: DrafterConfig, target_config) -> list[int]:
@@ -133,72 +143,115 @@ def _rope(x, cos, sin):
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+def add_backbone(module: nn.Module, config, n_aux: int, target_hidden: int) -> None:
+    """Give `module` DFlash's backbone under vLLM's tensor names: fc + hidden_norm over the ctx
+    features, `config.num_hidden_layers` Llama decoder layers with per-head q_norm/k_norm (Qwen3's
+    attention), the final norm (and the rotary embedding, no weights). DFlash's drafter is exactly
+    this; DSpark's adds its heads beside it."""
+    h, eps = config.hidden_size, config.rms_norm_eps
+    module.config = config
+    module.fc = nn.Linear(n_aux * target_hidden, h, bias=False)
+    module.hidden_norm = LlamaRMSNorm(h, eps=eps)
+    module.layers = nn.ModuleList(LlamaDecoderLayer(config, layer_idx=i) for i in range(config.num_hidden_layers))
+    for layer in module.layers:
+        layer.self_attn.q_norm = LlamaRMSNorm(config.head_dim, eps=eps)
+        layer.self_attn.k_norm = LlamaRMSNorm(config.head_dim, eps=eps)
+    module.norm = LlamaRMSNorm(h, eps=eps)
+    module.rotary = LlamaRotaryEmbedding(config)
+
+
+def _heads(m: nn.Module, x, proj):
+    return proj(x).view(*x.shape[:-1], -1, m.config.head_dim)  # [B, T, n, hd]
+
+
+def context_kv(m: nn.Module, aux, pos) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """ctx features [B, T, A*H] at positions pos [B, T] -> per layer (K, V) [B, kv heads, T, hd]:
+    each layer's own k_proj, k_norm, v_proj on hidden_norm(fc(aux)), keys rotated at pos."""
+    ctx = m.hidden_norm(m.fc(aux))
+    cos, sin = m.rotary(ctx, pos)
+    out = []
+    for layer in m.layers:
+        attn = layer.self_attn
+        k = attn.k_norm(_heads(m, ctx, attn.k_proj)).transpose(1, 2)
+        out.append((_rope(k, cos, sin), _heads(m, ctx, attn.v_proj).transpose(1, 2)))
+    return out
+
+
+class Plain:
+    """The identity around a sublayer: DFlash's and DSpark's layers (`block_pass` without `around`)."""
+
+    @staticmethod
+    def prepare(a):
+        return a, None
+
+    @staticmethod
+    def finish(out, state):
+        return out
+
+
+def plain_sublayers(layer) -> tuple:
+    return Plain, Plain
+
+
+def block_pass(m: nn.Module, x, pos, kv, mask=None, around=plain_sublayers):
+    """Block embeddings x [B, Q, H] at positions pos [B, Q] over the ctx `kv` -> norm(out) [B, Q, H],
+    what lm_head reads. mask [B, 1, Q, T+Q] (True = attend) over [ctx keys ; block keys]; None =
+    every query sees every key (inference: one block after all verified ctx). around(layer) -> the
+    wrappers of its attention and its MLP: prepare(sublayer input) -> (input', state) and
+    finish(sublayer output, state) -> output' (DFlash2's convolutions; default: the identity). The
+    ctx K/V (`context_kv`) never pass through them, as in vLLM."""
+    cos, sin = m.rotary(x, pos)
+    for layer, (k_ctx, v_ctx) in zip(m.layers, kv):
+        attn, (at, ml) = layer.self_attn, around(layer)
+        a, state = at.prepare(layer.input_layernorm(x))
+        q = _rope(attn.q_norm(_heads(m, a, attn.q_proj)).transpose(1, 2), cos, sin)
+        k = _rope(attn.k_norm(_heads(m, a, attn.k_proj)).transpose(1, 2), cos, sin)
+        v = _heads(m, a, attn.v_proj).transpose(1, 2)
+        g = attn.num_key_value_groups
+        o = F.scaled_dot_product_attention(
+            q,
+            repeat_kv(torch.cat([k_ctx, k], 2), g),
+            repeat_kv(torch.cat([v_ctx, v], 2), g),
+            attn_mask=mask,
+            scale=attn.scaling,
+        )
+        x = x + at.finish(attn.o_proj(o.transpose(1, 2).reshape(*x.shape[:-1], -1)), state)
+        f, state = ml.prepare(layer.post_attention_layernorm(x))
+        x = x + ml.finish(layer.mlp(f), state)
+    return m.norm(x)
+
+
 class DFlashDrafter(nn.Module):
-    """fc + hidden_norm over the ctx features, `num_layers` Llama decoder layers with per-head
-    q_norm/k_norm (Qwen3's attention), the final norm: vLLM's `DFlashQwen3ForCausalLM` tensor names.
+    """DFlash's backbone alone (`add_backbone`): vLLM's `DFlashQwen3ForCausalLM` tensor names.
     `forward` is the whole training pass (one forward per backward for DDP/FSDP)."""
 
     def __init__(self, config, n_aux: int, target_hidden: int):
         super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
-        self.config = config
-        self.fc = nn.Linear(n_aux * target_hidden, h, bias=False)
-        self.hidden_norm = LlamaRMSNorm(h, eps=eps)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, layer_idx=i) for i in range(config.num_hidden_layers))
-        for layer in self.layers:
-            layer.self_attn.q_norm = LlamaRMSNorm(config.head_dim, eps=eps)
-            layer.self_attn.k_norm = LlamaRMSNorm(config.head_dim, eps=eps)
-        self.norm = LlamaRMSNorm(h, eps=eps)
-        self.rotary = LlamaRotaryEmbedding(config)
-
-    def _heads(self, x, proj):
-        return proj(x).view(*x.shape[:-1], -1, self.config.head_dim)  # [B, T, n, hd]
+        add_backbone(self, config, n_aux, target_hidden)
 
     def context_kv(self, aux, pos) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """ctx features [B, T, A*H] at positions pos [B, T] -> per layer (K, V) [B, kv heads, T, hd]:
-        each layer's own k_proj, k_norm, v_proj on hidden_norm(fc(aux)), keys rotated at pos."""
-        ctx = self.hidden_norm(self.fc(aux))
-        cos, sin = self.rotary(ctx, pos)
-        out = []
-        for layer in self.layers:
-            attn = layer.self_attn
-            k = attn.k_norm(self._heads(ctx, attn.k_proj)).transpose(1, 2)
-            out.append((_rope(k, cos, sin), self._heads(ctx, attn.v_proj).transpose(1, 2)))
-        return out
+        return context_kv(self, aux, pos)
 
     def block(self, x, pos, kv, mask=None):
-        """Block embeddings x [B, Q, H] at positions pos [B, Q] over the ctx `kv` -> norm(out) [B, Q, H],
-        what lm_head reads. mask [B, 1, Q, T+Q] (True = attend) over [ctx keys ; block keys]; None =
-        every query sees every key (inference: one block after all verified ctx)."""
-        cos, sin = self.rotary(x, pos)
-        for layer, (k_ctx, v_ctx) in zip(self.layers, kv):
-            attn = layer.self_attn
-            a = layer.input_layernorm(x)
-            q = _rope(attn.q_norm(self._heads(a, attn.q_proj)).transpose(1, 2), cos, sin)
-            k = _rope(attn.k_norm(self._heads(a, attn.k_proj)).transpose(1, 2), cos, sin)
-            v = self._heads(a, attn.v_proj).transpose(1, 2)
-            g = attn.num_key_value_groups
-            o = F.scaled_dot_product_attention(
-                q,
-                repeat_kv(torch.cat([k_ctx, k], 2), g),
-                repeat_kv(torch.cat([v_ctx, v], 2), g),
-                attn_mask=mask,
-                scale=attn.scaling,
-            )
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(*x.shape[:-1], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+        return block_pass(self, x, pos, kv, mask)
 
     def forward(self, aux, ctx_pos, embeds, pos, mask):
-        return self.block(embeds, pos, self.context_kv(aux, ctx_pos), mask)
+        return block_pass(self, embeds, pos, context_kv(self, aux, ctx_pos), mask)
 
 
-def build(cfg: DrafterConfig, target, dataset=None) -> DFlashDrafter:
+def backbone_config(cfg, target):
+    """Resolve the config's target-dependent defaults in place (the saved config names the exact
+    layers and token) -> the draft layers' LlamaConfig: the target's dimensions and RoPE."""
     tc = target.config
-    cfg.aux_layers = aux_layers(cfg, tc)  # the saved config names the exact layers and token
+    cfg.aux_layers = aux_layers(cfg, tc)
     cfg.mask_token_id = mask_token(cfg.mask_token_id, tc)
     config = layer_config(tc)  # the target's dimensions and RoPE (theta, scaling)
     config.num_hidden_layers = cfg.num_layers
+    return config
+
+
+def build(cfg: DrafterConfig, target, dataset=None) -> DFlashDrafter:
+    config = backbone_config(cfg, target)
     return DFlashDrafter(config, len(cfg.aux_layers), config.hidden_size)
 
 
@@ -246,43 +299,78 @@ def block_inputs(ids, attn, anchors: list[torch.Tensor], block: int, mask_id: in
     return block_ids, pos, torch.cat([ctx, own], dim=-1)[:, None]
 
 
-def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
-    """Returns (loss_sum, n_tokens, metric_sums); n_tokens = the number of blocks (each trains slot 1),
-    so the loss is the weighted per-slot loss summed over a block, averaged over blocks; acc{d}
-    (d = 0..B-2, `acc` for d = 0): draft d+1's (slot d+1's) top-1 agreement with the target. Slot k of anchor a: input mask, position a+k, label = the target at position a+k-1
-    (its lm_head on last_hidden there), trained iff a+k < T and x_{a+k} is loss-masked."""
+@dataclass
+class Blocks:
+    """One step's packed blocks and their labels (`block_targets`); N blocks, slots 1..B-1."""
+
+    block_ids: torch.Tensor  # [Bz, M] the packed block inputs (block_inputs)
+    pos: torch.Tensor  # [Bz, M] their positions
+    mask: torch.Tensor  # [Bz, 1, M, T+M] their attention mask
+    blk_b: torch.Tensor  # [N] the sequence of each block
+    blk_j: torch.Tensor  # [N] its index among that sequence's blocks
+    lab: torch.Tensor  # [N, B-1] the position a+k of slot k's token x_{a+k}
+    valid: torch.Tensor  # [N, B-1] slot k is trained (a+k < T and x_{a+k} loss-masked)
+    rows: torch.Tensor  # [N, B-1] the row of top/soft holding slot k's label
+    top: torch.Tensor  # [rows] the target's argmax at each label position
+    soft: torch.Tensor | None  # [rows, V] the target's logits there (kept when asked)
+
+
+@torch.no_grad()
+def block_targets(target, batch: dict, feats: dict, cfg, keep_soft: bool) -> Blocks:
+    """Draw the anchors, pack their blocks, and compute the labels: slot k of anchor a is the input
+    mask at position a+k, its label the target at position a+k-1 (its lm_head on last_hidden there),
+    trained iff a+k < T and x_{a+k} is loss-masked. `keep_soft`: keep the target's full logits too."""
     ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    t, nb = ids.shape[1], cfg.block_size
+    anchors = sample_anchors(attn, lmask, cfg.num_anchors)
+    block_ids, pos, mask = block_inputs(ids, attn, anchors, nb, cfg.mask_token_id)
+    blk_b = torch.cat([torch.full_like(a, b) for b, a in enumerate(anchors)])
+    blk_j = torch.cat([torch.arange(len(a), device=ids.device) for a in anchors])
+    lab = torch.cat(anchors)[:, None] + torch.arange(1, nb, device=ids.device)  # [N, B-1]: x_{a+k}
+    seq = blk_b[:, None].expand_as(lab)
+    valid = (lab < t) & lmask[seq, lab.clamp(max=t - 1)].bool()  # blocks running past the end: masked
+    need = torch.zeros_like(lmask, dtype=torch.bool)
+    need[seq[valid], lab[valid] - 1] = True  # the label of x_{a+k} is the target at position a+k-1
+    # The argmax for `ce`; the soft losses also keep the target's full-vocabulary logits.
+    row_of, (top, *full) = target_label_rows(
+        target.get_output_embeddings(),
+        feats["last_hidden"],
+        need,
+        lambda logits: (logits.argmax(-1), *([logits] if keep_soft else [])),
+    )
+    rows = row_of[seq, (lab - 1).clamp(max=t - 1)].clamp(min=0)  # [N, B-1]; invalid slots: any row, weight 0
+    return Blocks(block_ids, pos, mask, blk_b, blk_j, lab, valid, rows, top, full[0] if full else None)
+
+
+def forward_inputs(drafter, target, feats: dict, cfg, blocks: Blocks) -> tuple:
+    """The training forward's inputs: (ctx features [Bz, T, A*H], their positions [Bz, T], the packed
+    block embeddings [Bz, M, H], their positions, the mask), in the drafter's dtype."""
     core = getattr(drafter, "module", drafter)
-    bsz, t, nb = ids.shape[0], ids.shape[1], cfg.block_size
-    lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
-    with torch.no_grad():
-        anchors = sample_anchors(attn, lmask, cfg.num_anchors)
-        block_ids, pos, mask = block_inputs(ids, attn, anchors, nb, cfg.mask_token_id)
-        blk_b = torch.cat([torch.full_like(a, b) for b, a in enumerate(anchors)])
-        blk_j = torch.cat([torch.arange(len(a), device=ids.device) for a in anchors])
-        lab = torch.cat(anchors)[:, None] + torch.arange(1, nb, device=ids.device)  # [N, B-1]: x_{a+k}
-        seq = blk_b[:, None].expand_as(lab)
-        valid = (lab < t) & lmask[seq, lab.clamp(max=t - 1)].bool()  # blocks running past the end: masked
-        need = torch.zeros_like(lmask, dtype=torch.bool)
-        need[seq[valid], lab[valid] - 1] = True  # the label of x_{a+k} is the target at position a+k-1
-        # The argmax for `ce`; the soft losses also keep the target's full-vocabulary logits.
-        row_of, (top, *full) = target_label_rows(
-            lm_head,
-            feats["last_hidden"],
-            need,
-            lambda logits: (logits.argmax(-1), *([logits] if cfg.loss != "ce" else [])),
-        )
-        soft = full[0] if full else None
-        rows = row_of[seq, (lab - 1).clamp(max=t - 1)].clamp(min=0)  # [N, B-1]; invalid slots: any row, weight 0
-    names = feature_names(cfg, target.config)
-    ctx_pos = torch.arange(t, device=ids.device)[None].expand(bsz, -1)
+    # The mask's keys are [T ctx ; M block slots] (block_inputs).
+    bsz, m = blocks.block_ids.shape
+    t = blocks.mask.shape[-1] - m
+    ctx_pos = torch.arange(t, device=blocks.pos.device)[None].expand(bsz, -1)
     dtype = core.fc.weight.dtype
-    out = drafter(aux_features(feats, names).to(dtype), ctx_pos, embed(block_ids).to(dtype), pos, mask)
-    slots = out[blk_b[:, None], blk_j[:, None] * nb + torch.arange(1, nb, device=ids.device)]  # [N, B-1, H]
-    logits = lm_head(slots.to(lm_head.weight.dtype)).float()
-    labels, keep = top[rows], valid.float()
+    aux = aux_features(feats, feature_names(cfg, target.config)).to(dtype)
+    return aux, ctx_pos, target.get_input_embeddings()(blocks.block_ids).to(dtype), blocks.pos, blocks.mask
+
+
+def slot_index(blocks: Blocks, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where slots 1..B-1 of every block sit in the packed forward's output [Bz, M, H]: block j of
+    sequence b fills query slots j*B .. j*B+B-1 (block_inputs), and slot 0 (the bonus) drafts nothing.
+    -> (sequence [N, 1], query slot [N, B-1]), to index the output with."""
+    k = torch.arange(1, block_size, device=blocks.pos.device)
+    return blocks.blk_b[:, None], blocks.blk_j[:, None] * block_size + k
+
+
+def slot_token_loss(cfg, logits: torch.Tensor, blocks: Blocks):
+    """The per-slot token loss of `logits` [N, B-1, V] (fp32) against the blocks' labels, weighted per
+    slot (decay, D-PACE or uniform) -> (loss_sum, n_blocks, metric_sums): acc{d} (d = 0..B-2, `acc`
+    for d = 0) is draft d+1's (slot d+1's) top-1 agreement with the target."""
+    nb, device = cfg.block_size, logits.device
+    labels, keep = blocks.top[blocks.rows], blocks.valid.float()
     with torch.no_grad():
-        conf = torch.ones(len(blk_b), nb, device=ids.device)
+        conf = torch.ones(len(blocks.blk_b), nb, device=device)
         if cfg.position_weighting == "dpace":  # q_j = exp(-CE_j): the drafter's probability of the label
             conf[:, 1:] = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0].exp()
         w = slot_weights(cfg, conf, F.pad(keep, (1, 0)))[:, 1:]
@@ -290,8 +378,8 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     if cfg.loss == "ce":
         loss = (F.cross_entropy(flat, labels.flatten(), reduction="none") * w.flatten()).sum()
     else:  # the token losses take a per-row multiplier: the slot weights
-        loss = TOKEN_LOSSES[cfg.loss](flat, soft[rows.flatten()], w.flatten())
-    n = torch.tensor(len(blk_b), device=ids.device)
+        loss = TOKEN_LOSSES[cfg.loss](flat, blocks.soft[blocks.rows.flatten()], w.flatten())
+    n = torch.tensor(len(blocks.blk_b), device=device)
     with torch.no_grad():
         # The loop divides metric sums by n (blocks): slot d+1's hits are scaled by n / (its trained
         # slots) so that acc{d} reads as draft d+1's top-1 agreement on its own slots (as P-EAGLE's).
@@ -301,6 +389,16 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
             for d in range(nb - 1)
         }
     return loss, n, metrics
+
+
+def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
+    """Returns (loss_sum, n_tokens, metric_sums); n_tokens = the number of blocks (each trains slot 1),
+    so the loss is the weighted per-slot loss summed over a block, averaged over blocks (slot_token_loss;
+    the blocks and labels: block_targets)."""
+    blocks = block_targets(target, batch, feats, cfg, keep_soft=cfg.loss != "ce")
+    slots = drafter(*forward_inputs(drafter, target, feats, cfg, blocks))[slot_index(blocks, cfg.block_size)]
+    lm_head = target.get_output_embeddings()
+    return slot_token_loss(cfg, lm_head(slots.to(lm_head.weight.dtype)).float(), blocks)
 
 
 def slot_weights(cfg: DrafterConfig, confidence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -323,8 +421,8 @@ class BlockProposer(Proposer):
     each round projects just the newly verified ones. Chains only: no `propose_tree`, so the engine
     refuses --tree with its one-line error and `compare` and the benches draft chains."""
 
-    def __init__(self, drafter, target, cfg: DrafterConfig):
-        self.drafter, self.cfg = drafter.eval(), cfg
+    def __init__(self, drafter, target, cfg: DrafterConfig, around=plain_sublayers):
+        self.drafter, self.cfg, self.around = drafter.eval(), cfg, around  # around: as block_pass's
         self.feature_names = feature_names(cfg, target.config)
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         # block outputs [t, H] -> logits [t, V]; an attribute, as FeatureProposer's, so `export --verify`
@@ -346,13 +444,18 @@ class BlockProposer(Proposer):
 
     @torch.no_grad()
     def block_logits(self, tokens: torch.Tensor, feats: dict, m: int) -> torch.Tensor:
+        """The target-vocabulary logits [m, V] of slots 1..m (drafts 1..m)."""
+        return self.logits(self.block_hidden(tokens, feats, m))
+
+    @torch.no_grad()
+    def block_hidden(self, tokens: torch.Tensor, feats: dict, m: int) -> torch.Tensor:
         """Cache the ctx K/V of newly verified positions, run the block [bonus, mask x m] -> the
-        target-vocabulary logits [m, V] of slots 1..m (drafts 1..m)."""
+        outputs [m, H] of slots 1..m, what lm_head reads."""
         d, device = self.drafter, tokens.device
         n_feats = next(iter(feats.values())).shape[1]  # features of every token but the newest
         if n_feats > self.n_real:
             new = aux_features({n: f[:, self.n_real :] for n, f in feats.items()}, self.feature_names)
-            kv = d.context_kv(new.to(d.fc.weight.dtype), torch.arange(self.n_real, n_feats, device=device)[None])
+            kv = context_kv(d, new.to(d.fc.weight.dtype), torch.arange(self.n_real, n_feats, device=device)[None])
             self.kv = (
                 kv
                 if self.kv is None
@@ -364,8 +467,8 @@ class BlockProposer(Proposer):
             [tokens[:, n_feats : n_feats + 1], torch.full((1, m), self.cfg.mask_token_id, device=device)], 1
         )
         pos = torch.arange(n_feats, n_feats + 1 + m, device=device)[None]
-        out = d.block(self.embed(ids).to(d.fc.weight.dtype), pos, self.kv)
-        return self.logits(out[0, 1:])  # slot 0's output is unused
+        out = block_pass(d, self.embed(ids).to(d.fc.weight.dtype), pos, self.kv, around=self.around)
+        return out[0, 1:]  # slot 0's output is unused
 
 
 def make_proposer(drafter, target, cfg: DrafterConfig) -> BlockProposer:
@@ -383,13 +486,7 @@ def _init_fields(config: dict) -> dict:
         own = config["drafter_config"]
         return {k: own[k] for k in ("aux_layers", "block_size", "mask_token_id", "num_layers") if k in own}
     if config.get("speculators_model_type") == "dflash":
-        ids = config.get("aux_hidden_state_layer_ids")
-        return {
-            "aux_layers": None if ids is None else [i - 1 for i in ids],
-            "block_size": config.get("block_size"),
-            "mask_token_id": config.get("mask_token_id"),
-            "num_layers": config["transformer_layer_config"].get("num_hidden_layers"),
-        }
+        return speculators_init_fields(config)
     native = config.get("dflash_config") or {}
     return {
         "aux_layers": native.get("target_layer_ids"),
@@ -399,10 +496,27 @@ def _init_fields(config: dict) -> dict:
     }
 
 
+def speculators_init_fields(config: dict) -> dict:
+    """The backbone's fields in a speculators block-drafter config (dflash, dspark): its top-level
+    aux ids are layer inputs, draftsmith names outputs (-1)."""
+    ids = config.get("aux_hidden_state_layer_ids")
+    return {
+        "aux_layers": None if ids is None else [i - 1 for i in ids],
+        "block_size": config.get("block_size"),
+        "mask_token_id": config.get("mask_token_id"),
+        "num_layers": config["transformer_layer_config"].get("num_hidden_layers"),
+    }
+
+
 def from_init(cfg: DrafterConfig, init_config: dict, target_config) -> DrafterConfig:
-    """`init_from` a DFlash drafter: its ctx layers, block size, mask token and depth. A recipe that
-    names other aux layers is an error naming both."""
-    found = {k: v for k, v in _init_fields(init_config).items() if v is not None}
+    """`init_from` a DFlash drafter: its ctx layers, block size, mask token and depth."""
+    return with_init_fields(cfg, _init_fields(init_config), target_config)
+
+
+def with_init_fields(cfg, fields: dict, target_config):
+    """`cfg` with the fields an init_from drafter fixes (those not None). A recipe that names other
+    aux layers is an error naming both."""
+    found = {k: v for k, v in fields.items() if v is not None}
     ids = found.get("aux_layers")
     if cfg.aux_layers and ids is not None and list(cfg.aux_layers) != list(ids):
         raise DraftsmithError(
@@ -419,7 +533,15 @@ SERVE_FORMAT, vllm_serving = "speculators", vllm_method("dflash")
 
 
 def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
+    config = speculators_block_config(drafter, cfg, target, meta, info, "dflash", ["DFlashSpeculator"], {})
+    write_tensors(out, config, drafter.state_dict())  # no embed_tokens / lm_head: vLLM shares the target's
 
+
+def speculators_block_config(
+    drafter, cfg, target, meta: dict, info: dict, algorithm: str, architectures: list, extra: dict
+) -> dict:
+    """The config.json of a speculators block drafter on DFlash's backbone (`algorithm` dflash or
+    dspark); `extra`: the algorithm's own keys, written after the backbone's."""
     tc = target.config
     dims = {
         **llama_dims(drafter),
@@ -427,9 +549,9 @@ def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out,
         "num_hidden_layers": len(drafter.layers),
         "attention_bias": False,
     }
-    config = {
-        "speculators_model_type": "dflash",
-        "architectures": ["DFlashSpeculator"],
+    return {
+        "speculators_model_type": algorithm,
+        "architectures": architectures,
         "transformer_layer_config": dims,
         "draft_vocab_size": tc.vocab_size,  # full vocabulary: no d2t
         "target_hidden_size": drafter.fc.in_features // len(cfg.aux_layers),
@@ -440,15 +562,15 @@ def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out,
         # vLLM: causal = not sliding_window_non_causal, for every layer; the block is bidirectional.
         "sliding_window_non_causal": True,
         "sample_from_anchor": False,
+        **extra,
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": algorithm,
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
             "verifier": {"name_or_path": served_name(meta["target"]), "architectures": list(tc.architectures or [])},
         },
         "draftsmith": info,
     }
-    write_tensors(out, config, drafter.state_dict())  # no embed_tokens / lm_head: vLLM shares the target's
 
 
 EXPORTS = {"speculators": write_speculators}

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from draftsmith import DraftsmithError
-from draftsmith.models import dflash, distill, eagle, eagle3, medusa, peagle
+from draftsmith.models import dflash, dflash2, distill, dspark, eagle, eagle3, medusa, peagle
 from draftsmith.models.family import INTERFACE, Family  # noqa: F401 (INTERFACE: what every family has)
 from draftsmith.models.folder import check_fingerprint, load_state, read_drafter_meta
 from draftsmith.target.load import fingerprint
@@ -21,6 +21,8 @@ DRAFTERS: dict[str, Family] = {
     "eagle3": eagle3.FAMILY,
     "peagle": peagle.FAMILY,
     "dflash": dflash.FAMILY,
+    "dspark": dspark.FAMILY,
+    "dflash2": dflash2.FAMILY,
     "medusa": medusa.FAMILY,
     "distill": distill.FAMILY,  # last: `recognises` any causal LM, so published heads are asked first
 }

@@ -182,3 +182,74 @@ def dpace_position_weights(confidence: torch.Tensor, mask: torch.Tensor, alpha: 
     s = torch.where(m > 0, (1 - alpha) * q + alpha, torch.ones_like(q))
     p = s.cumprod(-1) * m
     return p.flip(-1).cumsum(-1).flip(-1) * m
+
+
+# --- DSpark (arXiv:2607.05147, "DSpark": a DFlash block drafter with a low-rank Markov head over the
+# previous token and a confidence head) -----------------------------------------------------------
+# Slot k's logits are l_k = z_k + W2 W1[prev_k] (the Markov correction of the block's logits z_k);
+# the main loss is DFlash's token loss on l_k (TOKEN_LOSSES above). The confidence head's logit c_k
+# estimates the probability that speculative sampling accepts draft k, given drafts 1..k-1 were
+# accepted (vLLM's adaptive verification multiplies them into survival probabilities).
+
+
+@torch.no_grad()
+def soft_acceptance(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """DSpark's confidence target, per row: a = sum_x min(q(x), p(x)) = 1 - TV(q, p), the probability
+    that speculative sampling (Leviathan et al. 2023, Corollary 3.6) accepts a token drawn from the
+    drafter q = softmax(draft_logits) against the target p = softmax(target_logits), at temperature 1.
+
+    draft_logits, target_logits: [N, V] -> a [N] in [0, 1], detached (a label, never differentiated;
+    speculators' and SpecForge's DSpark compute it under no_grad as well). 1 iff q == p."""
+    q = F.softmax(draft_logits.float(), dim=-1)
+    p = F.softmax(target_logits.float(), dim=-1)
+    return torch.minimum(q, p).sum(-1).clamp(0.0, 1.0)
+
+
+def confidence_bce(confidence_logits: torch.Tensor, acceptance: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """DSpark's calibration loss: binary cross-entropy of sigmoid(c) against the soft acceptance a,
+    sum_n mask_n * BCE(sigmoid(c_n), a_n), computed in fp32 from logits (BCEWithLogits).
+
+    confidence_logits: [N] (the head's pre-sigmoid output); acceptance: [N] in [0, 1] (soft_acceptance,
+    detached); mask: [N] (1 = counts). For each row its minimum over c is at sigmoid(c) = a (the
+    derivative is sigmoid(c) - a), so the head is trained to be calibrated, not just to rank."""
+    bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), acceptance.detach().float(), reduction="none")
+    return (bce * mask).sum()
+
+
+# --- DFlash2 (speculators `dflash2`, vLLM 0.32 `qwen3_dflash2.py`; z-lab's DFlash2, inco.ai/blog/dflash2):
+# a DFlash block drafter whose slots keep their unary top-k candidates C_k (the target lm_head's top-k
+# of slot k's logits) and a low-rank path selector scores each candidate given the token before it:
+#     s_k[c] = unary_k[C_k[c]] + < P[prev_k] * (W_hp h_k), S[C_k[c]] >
+# The unary logits train with DFlash's token loss (TOKEN_LOSSES above); the selector with a k-way
+# cross-entropy whose label is the gold token's index in C_k, prev_k teacher-forced to the data token.
+
+
+@torch.no_grad()
+def selector_candidates(
+    candidates: torch.Tensor, gold: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DFlash2's training candidates (speculators 0.9.0 `models/dflash2/metrics.py`
+    selector_training_candidates; SpecForge PR #772 "insert the gold token when it is missing from
+    the top-k"): candidates [..., k] (unary top-k ids, best first), gold [...] (the target's argmax)
+    -> (ids [..., k], label [...], covered [...]). Where gold is among the candidates, ids = candidates
+    and label = its index; where it is not, the last (weakest) candidate is replaced by gold and
+    label = k - 1, so every slot has a k-way label. covered: gold was in the serving top-k (the
+    injection is for the loss only; serving ranks the strict top-k)."""
+    hit = candidates == gold[..., None]
+    covered = hit.any(-1)
+    label = torch.where(covered, hit.long().argmax(-1), candidates.shape[-1] - 1)
+    ids = candidates.clone()
+    ids[..., -1] = torch.where(covered, candidates[..., -1], gold)
+    return ids, label, covered
+
+
+def selector_cross_entropy(scores: torch.Tensor, label: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """DFlash2's selector loss: sum_n w_n * CE(softmax over the k candidates of scores_n, label_n)
+    (speculators 0.9.0 `compute_selector_loss`: a hard CE over the candidate set, weighted per slot
+    like the unary loss).
+
+    scores: [N, k] selector scores s[c] of the candidates (fp32 on return); label: [N] in [0, k)
+    (selector_candidates); weights: [N] (slot weight x trained mask). Its minimum over orderings of a
+    fixed set of scores is at the gold candidate ranked first."""
+    ce = F.cross_entropy(scores.float(), label, reduction="none")
+    return (ce * weights.float()).sum()

@@ -422,7 +422,8 @@ def test_a_family_vllm_cannot_serve_is_named(tiny_target_dir, chat_jsonl, tmp_pa
     monkeypatch.setattr(eagle.FAMILY, "SERVE_FORMAT", None)
     target, tok = load_target(str(tiny_target_dir))
     with pytest.raises(
-        DraftsmithError, match=r"vLLM serves no eagle export \(it serves eagle3, peagle, dflash, medusa, distill\)"
+        DraftsmithError,
+        match=r"vLLM serves no eagle export \(it serves eagle3, peagle, dflash, dspark, dflash2, medusa, distill\)",
     ):
         sc.prepare(final, tmp_path / "out", target, tok)
 

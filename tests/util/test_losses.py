@@ -156,3 +156,91 @@ def test_dpace_weights_are_suffix_counts_when_confident_and_shrink_with_doubt():
     half = dpace_position_weights(torch.zeros(1, 4), mask[:1], alpha=0.5)
     assert torch.allclose(half, torch.tensor([[0, 0.875, 0.375, 0.125]]))
     assert (dpace_position_weights(torch.rand(2, 4), mask) <= ones).all()
+
+
+# --- DSpark: soft acceptance and the confidence BCE --------------------------------------------------
+from draftsmith.util.losses import confidence_bce, soft_acceptance  # noqa: E402
+
+
+def test_a_drafter_equal_to_the_target_has_zero_main_loss_and_acceptance_one():
+    torch.manual_seed(0)
+    logits, mask = torch.randn(6, 40), torch.ones(6)
+    assert torch.allclose(soft_acceptance(logits, logits), torch.ones(6), atol=1e-6)
+    for name in ("tvd", "nla", "lk_hybrid"):  # the soft token losses DSpark's main term may use
+        assert TOKEN_LOSSES[name](logits, logits, mask).abs() < 1e-5, name
+    # ce trains on the target's argmax: a drafter as certain as a one-hot target has zero loss.
+    peaked = torch.nn.functional.one_hot(logits.argmax(-1), 40).float() * 60.0
+    assert TOKEN_LOSSES["ce"](peaked, peaked, mask) < 1e-6
+    other = torch.randn(6, 40)
+    a = soft_acceptance(other, logits)
+    tvd = 0.5 * (other.softmax(-1) - logits.softmax(-1)).abs().sum(-1)
+    assert torch.allclose(a, 1 - tvd, atol=1e-5) and ((a > 0) & (a < 1)).all()
+    assert not a.requires_grad and not soft_acceptance(other.requires_grad_(), logits).requires_grad
+
+
+def test_confidence_bce_is_minimal_where_confidence_equals_acceptance():
+    a = torch.tensor([0.05, 0.3, 0.5, 0.9, 0.999])
+    mask = torch.ones(5)
+    calibrated = torch.logit(a)
+    best = confidence_bce(calibrated, a, mask)
+    for shift in (-1.0, -0.1, 0.1, 1.0):
+        assert confidence_bce(calibrated + shift, a, mask) > best
+    c = calibrated.clone().requires_grad_()
+    confidence_bce(c, a, mask).backward()
+    assert c.grad.abs().max() < 1e-6  # d BCE / d c = sigmoid(c) - a = 0
+    # Masked rows do not count; the sum is over rows (the loop divides by its count).
+    assert confidence_bce(calibrated + 5.0, a, torch.zeros(5)) == 0
+    assert torch.allclose(
+        confidence_bce(calibrated, a, mask),
+        sum(confidence_bce(calibrated[i : i + 1], a[i : i + 1], mask[:1]) for i in range(5)),
+    )
+
+
+# --- DFlash2: the selector's training candidates and its cross-entropy --------------------------------
+import itertools  # noqa: E402
+
+from draftsmith.util.losses import selector_candidates, selector_cross_entropy  # noqa: E402
+
+
+def test_selector_candidates_inject_a_missing_gold_at_the_last_rank_only():
+    cand = torch.tensor([[7, 3, 9, 1], [7, 3, 9, 1], [4, 5, 6, 8]])
+    gold = torch.tensor([9, 2, 4])
+    ids, label, covered = selector_candidates(cand, gold)
+    assert ids.tolist() == [[7, 3, 9, 1], [7, 3, 9, 2], [4, 5, 6, 8]]  # row 1: 2 replaces the weakest
+    assert label.tolist() == [2, 3, 0] and covered.tolist() == [True, False, True]
+    assert (ids.gather(-1, label[:, None])[:, 0] == gold).all()  # the label always points at the gold
+    assert cand.tolist()[1] == [7, 3, 9, 1]  # the serving candidates are left as they were
+
+
+def test_selector_loss_is_minimal_when_the_gold_candidate_ranks_first():
+    torch.manual_seed(0)
+    values = torch.tensor([3.0, 1.5, 0.2, -1.0])  # one fixed set of scores, dealt in every order
+    label, w = torch.tensor([1]), torch.ones(1)
+    losses = {
+        perm: selector_cross_entropy(values[list(perm)][None], label, w).item()
+        for perm in itertools.permutations(range(4))
+    }
+    best = min(losses, key=losses.get)
+    assert values[list(best)].argmax() == 1  # the gold (index 1) holds the highest score
+    for perm, loss in losses.items():  # CE depends on the gold's score only (the set is fixed)
+        assert (abs(loss - losses[best]) < 1e-6) == bool(values[list(perm)][1] == values.max())
+    # Weighted sum over rows; a confident, right selector and a trained-out row give zero.
+    scores = torch.randn(5, 4)
+    labels = torch.randint(4, (5,))
+    per_row = torch.nn.functional.cross_entropy(scores, labels, reduction="none")
+    weights = torch.tensor([1.0, 0.5, 0.0, 2.0, 1.0])
+    assert torch.allclose(selector_cross_entropy(scores, labels, weights), (per_row * weights).sum())
+    sure = torch.nn.functional.one_hot(labels, 4).float() * 60.0
+    assert selector_cross_entropy(sure, labels, torch.ones(5)) < 1e-6
+
+
+def test_a_dflash2_drafter_equal_to_the_target_gets_zero_unary_loss_and_its_gold_ranks_first():
+    torch.manual_seed(0)
+    logits, mask = torch.randn(6, 40), torch.ones(6)
+    for name in ("tvd", "nla", "lk_hybrid"):  # the soft unary losses
+        assert TOKEN_LOSSES[name](logits, logits, mask).abs() < 1e-5, name
+    peaked = torch.nn.functional.one_hot(logits.argmax(-1), 40).float() * 60.0
+    assert TOKEN_LOSSES["ce"](peaked, peaked, mask) < 1e-6
+    # Its unary top-k always holds the target's argmax, first: label 0, nothing injected.
+    ids, label, covered = selector_candidates(logits.topk(5).indices, logits.argmax(-1))
+    assert (label == 0).all() and covered.all() and torch.equal(ids, logits.topk(5).indices)

@@ -1,0 +1,354 @@
+"""DSpark: DFlash's block drafter with a low-rank Markov head and a confidence head (DeepSeek 2026,
+"DSpark", arXiv:2607.05147), as vLLM 0.32 serves it (method `dspark`, `qwen3_dspark.py`).
+
+The backbone is DFlash's, shared as functions (models/dflash.py: `add_backbone`, `context_kv`,
+`block_pass`, the packed training blocks and the per-slot token loss): one pass over the block
+[bonus x_a, m, ..., m] gives h_k for every slot k = 1..B-1 at once, so the slots of a block are
+drafted independently of each other. DSpark adds a sequential stage on top of that pass:
+
+    z_k   = lm_head(h_k)                          the target's lm_head (DFlash's logits), [V]
+    e_k   = W1[prev_k]                            markov_head.markov_w1: an embedding [V, r] of TARGET ids
+    l_k   = z_k + W2 e_k                          markov_head.markov_w2 [V, r]: a rank-r transition bias
+    c_k   = sigmoid(w . [h_k ; e_k] + b)          confidence_head.proj [1, H+r] (or [1, H]), fp32
+
+prev_1 is the bonus token x_a (slot 1 drafts x_{a+1}); prev_k for k > 1 is the token before slot k:
+at inference the draft d_{k-1} (left to right, one W2 row-product per draft), in training the data
+token x_{a+k-1} (teacher forcing, as speculators and SpecForge train it). c_k estimates P(draft k is
+accepted | drafts < k were accepted), which vLLM's adaptive verification multiplies into survival
+probabilities to choose how many drafts to verify.
+
+Objective (draftsmith/util/losses.py): DFlash's token loss on l_k (ce on the target's argmax, or a
+soft loss; decay / D-PACE slot weights) + confidence_weight * BCE(c_k, a_k), where the label
+a_k = sum_x min(softmax l_k, softmax target_k) = 1 - TV is the soft acceptance probability of draft
+k, computed under no_grad. As in both peers, the BCE's gradient also reaches the backbone through h_k.
+
+W2 starts at zero, so a fresh DSpark drafter drafts exactly as its DFlash backbone. Only the
+fill-in layout is trained (`sample_from_anchor: false`, K = B-1 drafts, slot 0 the bonus), the layout
+draftsmith's DFlash uses; the export says so explicitly (vLLM's default is false, speculators' true).
+Full vocabulary only: the export ships no embed_tokens / lm_head / d2t, vLLM shares the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith import DraftsmithError
+from draftsmith.engine.drafts import Draft
+from draftsmith.engine.proposers import Proposer
+from draftsmith.models import dflash
+from draftsmith.models.eagle3 import speculators_load_check
+from draftsmith.models.family import Family
+from draftsmith.models.formats import from_exported_head, vllm_method, vllm_snippet, write_tensors
+from draftsmith.util.losses import confidence_bce, soft_acceptance
+
+NAME = "dspark"
+OWN_KEYS = ("markov_rank", "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor")
+
+
+@dataclass
+class DrafterConfig:
+    aux_layers: list | None = None
+    """0-based target layers whose *outputs* form the ctx features (as dflash's; default
+    [1, L//2 - 1, L - 4])."""
+    num_layers: int = 1
+    """Draft decoder layers (1 on CPU, see models/dflash.py; the published drafters have 5)."""
+    block_size: int = 8
+    """B: the bonus slot + B-1 mask slots; serve with num_speculative_tokens <= B-1."""
+    mask_token_id: int | None = None
+    """Token fed at mask slots; default the target's pad token, else its eos."""
+    loss: str = "ce"
+    """Per-slot loss on the Markov-corrected logits: ce, tvd, nla, lk_hybrid (as dflash's)."""
+    position_weighting: str = "decay"
+    """decay: w_k = exp(-(k-1)/gamma); dpace: D-PACE; uniform (as dflash's)."""
+    gamma: float = 4.0
+    dpace_alpha: float = 0.5
+    num_anchors: int = 512
+    """Blocks per sequence per step, drawn at random among the trained positions."""
+    markov_rank: int = 256
+    """r of the Markov head's W1 [V, r] and W2 [V, r] (speculators' default 256); vLLM requires >= 1."""
+    enable_confidence_head: bool = True
+    """Train the confidence head (its c_k go on every draft: adaptive verification, ECE)."""
+    confidence_head_with_markov: bool = True
+    """The confidence head reads [h_k ; W1[prev_k]] (else h_k alone): it sees which token came before."""
+    confidence_weight: float = 1.0
+    """alpha_conf: the weight of the confidence BCE beside the token loss (both peers: 1.0)."""
+    sample_from_anchor: bool = False
+    """false: DFlash's fill-in layout (slot 0 = the bonus, K = B-1 drafts). true (speculators'
+    default: slot 0 drafts too, K = B) is not trained by draftsmith yet."""
+
+    def __post_init__(self):
+        dflash.check_block_config(self)
+        if not isinstance(self.markov_rank, int) or self.markov_rank < 1:
+            raise DraftsmithError(
+                f"drafter.markov_rank: expected an integer >= 1 (vLLM's DSpark always has a Markov head), "
+                f"got {self.markov_rank}"
+            )
+        if not self.confidence_weight >= 0:
+            raise DraftsmithError(f"drafter.confidence_weight: expected >= 0, got {self.confidence_weight}")
+        if self.sample_from_anchor:
+            raise DraftsmithError(
+                "drafter.sample_from_anchor: only false (DFlash's fill-in layout, K = B-1) is trained by "
+                "draftsmith; set it to false"
+            )
+
+
+class MarkovHead(nn.Module):
+    """markov_w1: an embedding of the previous TARGET-vocabulary token, [V, r]; markov_w2: its
+    projection to a logit bias, [V_d, r] (V_d = V: full vocabulary). W2 starts at zero."""
+
+    def __init__(self, vocab: int, draft_vocab: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        nn.init.normal_(self.markov_w1.weight, std=0.01)
+        self.markov_w2 = nn.Linear(rank, draft_vocab, bias=False)
+        nn.init.zeros_(self.markov_w2.weight)
+
+
+class ConfidenceHead(nn.Module):
+    """proj: Linear [1, in] with bias; evaluated in fp32 (as vLLM keeps it)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = nn.Linear(width, 1)
+
+
+class DSparkDrafter(nn.Module):
+    """DFlash's backbone (`dflash.add_backbone`, the same tensor names) + markov_head + confidence_head:
+    vLLM's `Qwen3DSparkModel` names. `forward` is the whole training pass (one forward per backward
+    for DDP/FSDP): the packed blocks, the selected slots' outputs, their Markov bias and confidence."""
+
+    def __init__(self, config, n_aux: int, target_hidden: int, cfg: DrafterConfig):
+        super().__init__()
+        dflash.add_backbone(self, config, n_aux, target_hidden)
+        self.with_markov = cfg.confidence_head_with_markov
+        self.markov_head = MarkovHead(config.vocab_size, config.vocab_size, cfg.markov_rank)
+        width = config.hidden_size + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
+        self.confidence_head = ConfidenceHead(width) if cfg.enable_confidence_head else None
+
+    def markov_embed(self, prev: torch.Tensor) -> torch.Tensor:
+        """e = W1[prev]: [...] target ids -> [..., r]."""
+        return self.markov_head.markov_w1(prev)
+
+    def markov_bias(self, e: torch.Tensor) -> torch.Tensor:
+        """W2 e: [..., r] -> the logit bias [..., V]."""
+        w2 = self.markov_head.markov_w2
+        return w2(e.to(w2.weight.dtype))
+
+    def confidence_logits(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """The confidence head's pre-sigmoid output [...] from h [..., H] and e [..., r], in fp32 even
+        under autocast (vLLM keeps the head's parameters fp32)."""
+        proj = self.confidence_head.proj
+        x = (torch.cat([h, e.to(h.dtype)], -1) if self.with_markov else h).float()
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            if proj.weight.dtype == torch.float32:  # training (fp32 masters): the module call, so
+                return proj(x)[..., 0]  # ZeRO-3 / FSDP hooks gather its weights
+            # A drafter cast to a bf16 target's dtype for eval: the head still runs in fp32.
+            return F.linear(x, proj.weight.float(), proj.bias.float())[..., 0]
+
+    def forward(self, aux, ctx_pos, embeds, pos, mask, slots, prev):
+        """-> (h [N, K, H]: the outputs at `slots` (dflash.slot_index), W2 W1[prev] [N, K, V], the
+        confidence logits [N, K] or None)."""
+        h = dflash.block_pass(self, embeds, pos, dflash.context_kv(self, aux, ctx_pos), mask)[slots]
+        e = self.markov_embed(prev)
+        conf = None if self.confidence_head is None else self.confidence_logits(h, e)
+        return h, self.markov_bias(e), conf
+
+
+def build(cfg: DrafterConfig, target, dataset=None) -> DSparkDrafter:
+    config = dflash.backbone_config(cfg, target)
+    return DSparkDrafter(config, len(cfg.aux_layers), config.hidden_size, cfg)
+
+
+def rebuild(meta: dict, target) -> DSparkDrafter:
+    return build(DrafterConfig(**{k: v for k, v in meta["drafter_config"].items() if k != "type"}), target)
+
+
+# --- training ----------------------------------------------------------------------------------------
+
+
+def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
+    """Returns (loss_sum, n_blocks, metric_sums): DFlash's per-slot token loss on the Markov-corrected
+    logits l_k = z_k + W2 W1[x_{a+k-1}] (dflash.slot_token_loss; acc{d} as dflash's) + confidence_weight
+    * the confidence BCE towards the soft acceptance of l_k, summed over trained slots. Metrics also
+    hold conf_bce, accept (the mean soft acceptance a_k) and confidence (the mean c_k), per trained slot."""
+    ids = batch["input_ids"]
+    t = ids.shape[1]
+    # The confidence label needs the target's full distribution, whatever the token loss.
+    blocks = dflash.block_targets(target, batch, feats, cfg, keep_soft=cfg.loss != "ce" or cfg.enable_confidence_head)
+    # Teacher forcing: slot k drafts x_{a+k} (blocks.lab = a+k), so its previous token is the data token
+    # x_{a+k-1}: the anchor (the bonus) for slot 1, then the token slot k-1 was trained to draft.
+    # Slots past the sequence end read a clamped position; their weight is 0.
+    prev = ids[blocks.blk_b[:, None], (blocks.lab - 1).clamp(max=t - 1)]
+    inputs = dflash.forward_inputs(drafter, target, feats, cfg, blocks)
+    h, bias, conf_logits = drafter(*inputs, dflash.slot_index(blocks, cfg.block_size), prev)
+    lm_head = target.get_output_embeddings()
+    logits = lm_head(h.to(lm_head.weight.dtype)).float() + bias.float()  # [N, B-1, V]
+    loss, n, metrics = dflash.slot_token_loss(cfg, logits, blocks)
+    if conf_logits is None:
+        return loss, n, metrics
+    keep = blocks.valid.float().flatten()
+    accept = soft_acceptance(logits.flatten(0, 1), blocks.soft[blocks.rows.flatten()])  # [N*(B-1)], no grad
+    bce = confidence_bce(conf_logits.flatten(), accept, keep)
+    with torch.no_grad():
+        # The loop divides metric sums by n (blocks): scaled by n / (trained slots), each reads per slot.
+        per_slot = n / keep.sum().clamp_min(1)
+        metrics["conf_bce"] = bce.detach() * per_slot
+        metrics["accept"] = (accept * keep).sum() * per_slot
+        metrics["confidence"] = (torch.sigmoid(conf_logits.flatten()) * keep).sum() * per_slot
+    return loss + cfg.confidence_weight * bce, n, metrics
+
+
+def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, elem: int) -> int:
+    """`plan`: DFlash's estimate, plus the Markov bias and the corrected logits of B-1 slots per anchor
+    and the target's kept distribution of each (fp32)."""
+    slots = batch * min(cfg.num_anchors, length) * (cfg.block_size - 1)
+    return dflash.activation_bytes(cfg, tc, drafter, batch, length, elem) + 3 * 4 * tc.vocab_size * slots
+
+
+# --- inference ---------------------------------------------------------------------------------------
+
+
+class MarkovProposer(Proposer):
+    """DSpark drafting as vLLM's DSparkSpeculator: DFlash's one backbone pass per round (a
+    dflash.BlockProposer, with its ctx K/V cache), then the Markov stage left to right: draft i is
+    drawn from l_i = z_i + W2 W1[prev_i], prev_1 = the bonus token, prev_{i+1} = draft i (greedy: its
+    argmax; with a `sampler`: a sample, whose q is the Markov-corrected distribution). Each draft
+    carries c_i = sigmoid(confidence head) in `draft.confidence`. Chains only, like DFlash."""
+
+    def __init__(self, drafter, target, cfg: DrafterConfig):
+        # The drafter lives in the block proposer only (`drafter` below), so the modules the engine
+        # prepacks (proposer_modules) hold it once.
+        self.blocks = dflash.BlockProposer(drafter, target, cfg)
+        self.feature_names, self.max_depth = self.blocks.feature_names, self.blocks.max_depth
+        self.drafts_confidence = cfg.enable_confidence_head
+        # (z_i [V], e_i [r]) -> l_i [V] (fp32); an attribute, so `export --verify` records every
+        # Markov-corrected row (draftsmith/ship/publish.py Recorder).
+        self.logits = lambda step: step[0].float() + self.drafter.markov_bias(step[1]).float()
+
+    @property
+    def drafter(self) -> DSparkDrafter:
+        return self.blocks.drafter
+
+    def reset(self):
+        self.blocks.reset()
+
+    @torch.no_grad()
+    def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> Draft:
+        d, m = self.drafter, min(k, self.max_depth)
+        h = self.blocks.block_hidden(tokens, feats, m)  # [m, H]: slots 1..m, one backbone pass
+        z = self.blocks.logits(h)  # [m, V]: the target's lm_head, all slots at once
+        n_feats = next(iter(feats.values())).shape[1]
+        prev = tokens[0, n_feats]  # the bonus x_{n-1}, the block's slot 0 (as BlockProposer feeds it)
+        draft, confidence = Draft(), []
+        for i in range(m):
+            e = d.markov_embed(prev)
+            logits = self.logits((z[i], e))
+            q = None if sampler is None else sampler.probs(logits)
+            token = int(logits.argmax()) if q is None else sampler.sample(q)
+            draft.add(token, i - 1, q)
+            if d.confidence_head is not None:
+                confidence.append(float(torch.sigmoid(d.confidence_logits(h[i], e))))
+            prev = torch.tensor(token, device=tokens.device)
+        draft.confidence = confidence if d.confidence_head is not None else None
+        return draft
+
+
+def make_proposer(drafter, target, cfg: DrafterConfig) -> MarkovProposer:
+    return MarkovProposer(drafter, target, cfg)
+
+
+# --- init_from and the speculators `dspark` format (vLLM 0.32: method dspark) -------------------------
+
+
+def _init_fields(config: dict) -> dict:
+    """The fields a DSpark folder's config.json fixes: a draftsmith final/ or a speculators `dspark`
+    export (draftsmith's or a peer's: speculators, whose sample_from_anchor defaults to true)."""
+    if "draftsmith_format" in config:
+        own = config["drafter_config"]
+        keys = ("aux_layers", "block_size", "mask_token_id", "num_layers", *OWN_KEYS)
+        return {k: own[k] for k in keys if k in own}
+    kind = config.get("markov_head_type", "vanilla")
+    if kind != "vanilla":
+        raise DraftsmithError(
+            f"init_from: a DSpark drafter with markov_head_type '{kind}'; draftsmith and vLLM 0.32 run 'vanilla' only"
+        )
+    return {
+        **dflash.speculators_init_fields(config),
+        "markov_rank": config.get("markov_rank"),
+        "enable_confidence_head": config.get("enable_confidence_head"),
+        "confidence_head_with_markov": config.get("confidence_head_with_markov"),
+        "sample_from_anchor": config.get("sample_from_anchor", True),  # speculators' default
+    }
+
+
+def from_init(cfg: DrafterConfig, init_config: dict, target_config) -> DrafterConfig:
+    """`init_from` a DSpark drafter: its ctx layers, block size, mask token, depth and heads."""
+    return dflash.with_init_fields(cfg, _init_fields(init_config), target_config)
+
+
+SERVE_FORMAT, vllm_serving = "speculators", vllm_method("dspark")
+
+
+def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
+    # vLLM's update_dspark copies these to the model config; markov_rank is required there, and
+    # sample_from_anchor (false, dflash's shared writer) must be explicit: vLLM and speculators
+    # default it differently.
+    own = {
+        "markov_rank": cfg.markov_rank,
+        "markov_head_type": "vanilla",  # the only Markov head vLLM's Qwen3 DSpark runs
+        "enable_confidence_head": cfg.enable_confidence_head,
+        "confidence_head_with_markov": cfg.confidence_head_with_markov,
+    }
+    # speculators' architecture name; vLLM maps any name it does not know to Qwen3DSparkModel.
+    config = dflash.speculators_block_config(drafter, cfg, target, meta, info, "dspark", ["DSparkSpeculator"], own)
+    write_tensors(out, config, drafter.state_dict())  # no embed_tokens / lm_head / d2t: vLLM shares the target's
+
+
+EXPORTS = {"speculators": write_speculators}
+
+
+def recognises(config: dict, tensor_names: set[str]) -> bool:
+    arch = (config.get("architectures") or ["?"])[0]
+    return config.get("speculators_model_type") == "dspark" or arch in ("DSparkSpeculator", "Qwen3DSparkModel")
+
+
+def from_export(path, config: dict, cfg: DrafterConfig, target) -> DSparkDrafter:
+    fields = {k: v for k, v in _init_fields(config).items() if v is not None}
+    return from_exported_head(build(replace(cfg, **fields), target), config, dflash.read_export(path, target))
+
+
+def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
+    return vllm_snippet("dspark", repo_id, target, k)
+
+
+def consumer_check(exported, target, ours, prompt_ids) -> dict | None:
+    """speculators' own DSpark loader on the export (every tensor arrives unchanged); vLLM's loader:
+    tests/models/test_dspark.py (vllm_families), since vLLM's CPU build refuses to serve dspark."""
+    check, _ = speculators_load_check(exported)
+    return {**check, "consumer": "speculators"}
+
+
+FAMILY = Family(
+    NAME=NAME,
+    DrafterConfig=DrafterConfig,
+    feature_names=dflash.feature_names,
+    max_draft_depth=dflash.max_draft_depth,
+    build=build,
+    rebuild=rebuild,
+    compute_loss=compute_loss,
+    activation_bytes=activation_bytes,
+    make_proposer=make_proposer,
+    EXPORTS=EXPORTS,
+    recognises=recognises,
+    read_export=dflash.read_export,
+    from_export=from_export,
+    serving_snippet=serving_snippet,
+    SERVE_FORMAT=SERVE_FORMAT,
+    vllm_serving=vllm_serving,
+    consumer_check=consumer_check,
+    from_init=from_init,
+)

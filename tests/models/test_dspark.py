@@ -1,0 +1,341 @@
+"""DSpark: the Markov stage drafts left to right (a chain equals stepping the head by hand, greedy and
+sampled), the training logits are the teacher-forced Markov correction, learning with a calibrated
+confidence head, lossless greedy decoding, the speculators export vLLM reads (and read back by
+vLLM's own loader, `vllm_families`), export --verify, init_from, one-line config errors."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith import DraftsmithError
+from draftsmith.engine.speculative import Sampler, Stats, speculative_greedy, target_greedy
+from draftsmith.models import dflash, dspark
+from draftsmith.models.folder import load_state
+from draftsmith.ship.export import export, export_family, init_weights
+from draftsmith.target.features import target_features
+from tests.ship.test_export import _same_decoding, _save
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def target4(tmp_path_factory):
+    """A tiny random 4-layer target: three distinct ctx layers below the last one."""
+    from draftsmith.target.load import load_target
+    from tests.conftest import save_target
+
+    return load_target(str(save_target(tmp_path_factory.mktemp("tiny4"), layers=4)), "fp32")[0]
+
+
+def _cfg(**kw):
+    return dspark.DrafterConfig(
+        **{"aux_layers": [0, 1, 2], "num_layers": 2, "block_size": 4, "mask_token_id": 3, "markov_rank": 6, **kw}
+    )
+
+
+def _feats(target, cfg, ids):
+    return target_features(
+        target,
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+        dspark.FAMILY.feature_names(cfg, target.config),
+    )
+
+
+def _strong_markov(d, scale=3.0):
+    """A Markov head that matters: W2 starts at zero (DFlash's drafts); here W1 W2 move the argmax."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        d.markov_head.markov_w1.weight.normal_()
+        d.markov_head.markov_w2.weight.normal_(std=scale)
+        d.confidence_head.proj.weight.normal_(std=0.3)
+    return d
+
+
+def _by_hand(d, target, cfg, tokens, feats, m, sampled=None):
+    """Step the heads by hand on one backbone pass: l_i = z_i + W2 W1[prev_i], prev_1 = the bonus,
+    prev_{i+1} = draft i (greedy) or `sampled[i]`; c_i = sigmoid(w . [h_i ; W1[prev_i]] + b)."""
+    h = dflash.BlockProposer(d, target, cfg).block_hidden(tokens, feats, m)
+    z = target.get_output_embeddings()(h)
+    w1, w2 = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight
+    proj = d.confidence_head.proj
+    prev, out, logits, conf = int(tokens[0, -1]), [], [], []
+    for i in range(m):
+        row = z[i] + w2 @ w1[prev]
+        conf.append(torch.sigmoid(proj.weight[0] @ torch.cat([h[i], w1[prev]]) + proj.bias[0]).item())
+        out.append(int(row.argmax()) if sampled is None else sampled[i])
+        logits.append(row)
+        prev = out[-1]
+    return out, logits, conf
+
+
+def test_markov_stage_drafts_left_to_right_as_stepping_the_head_by_hand(target4):
+    torch.manual_seed(0)
+    cfg = _cfg()
+    d = _strong_markov(dspark.build(cfg, target4).eval())
+    ids = torch.randint(5, 90, (1, 14))
+    feats = _feats(target4, cfg, ids[:, :-1])  # the engine's call: features of every token but the newest
+    proposer = dspark.make_proposer(d, target4, cfg)
+    with torch.no_grad():
+        draft = proposer.propose(ids, feats, 3)
+        want, logits, conf = _by_hand(d, target4, cfg, ids, feats, 3)
+        plain = target4.get_output_embeddings()(dflash.BlockProposer(d, target4, cfg).block_hidden(ids, feats, 3))
+    assert draft.tokens == want and draft.parents == [-1, 0, 1] and draft.qs == [None] * 3
+    assert want != plain.argmax(-1).tolist()  # the Markov bias changed the chain: the test sees it
+    assert draft.confidence == pytest.approx(conf, abs=1e-6) and all(isinstance(c, float) for c in draft.confidence)
+    assert proposer.drafts_confidence and proposer.max_depth == 3
+    # Sampled: draft i is drawn from the Markov-corrected distribution of the tokens actually drawn.
+    proposer.reset()
+    with torch.no_grad():
+        drawn = proposer.propose(ids, feats, 3, Sampler(1.0, seed=0))
+        _, logits, conf = _by_hand(d, target4, cfg, ids, feats, 3, sampled=drawn.tokens)
+    for q, row in zip(drawn.qs, logits):
+        assert torch.allclose(q, torch.softmax(row, -1), atol=1e-6)
+    assert drawn.confidence == pytest.approx(conf, abs=1e-6)
+    # A fresh head (W2 = 0) drafts exactly as the DFlash backbone; no confidence head: None.
+    fresh_cfg = _cfg(enable_confidence_head=False)
+    fresh = dspark.build(fresh_cfg, target4).eval()
+    with torch.no_grad():
+        chain = dspark.make_proposer(fresh, target4, fresh_cfg).propose(ids, feats, 3)
+        backbone = target4.get_output_embeddings()(
+            dflash.BlockProposer(fresh, target4, fresh_cfg).block_hidden(ids, feats, 3)
+        )
+    assert chain.tokens == backbone.argmax(-1).tolist() and chain.confidence is None
+
+
+def test_training_logits_are_the_teacher_forced_markov_correction(target4, monkeypatch):
+    """At slot k of anchor a, the training loss sees z_k + W2 W1[x_{a+k-1}]: the proposer's logits when
+    its earlier drafts were the data tokens (the bonus x_a for slot 1)."""
+    torch.manual_seed(0)
+    cfg = _cfg(loss="tvd")
+    d = _strong_markov(dspark.build(cfg, target4).eval())
+    ids = torch.randint(5, 90, (1, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    feats = _feats(target4, cfg, ids)
+    seen = {}
+    real = dflash.slot_token_loss
+
+    def spy(cfg_, logits, blocks):
+        seen["logits"], seen["blocks"] = logits, blocks
+        return real(cfg_, logits, blocks)
+
+    monkeypatch.setattr(dflash, "slot_token_loss", spy)
+    with torch.no_grad():
+        dspark.compute_loss(d, target4, batch, feats, cfg)
+    blocks, logits = seen["blocks"], seen["logits"]
+    for j, a in enumerate((blocks.lab[:, 0] - 1).tolist()[:3]):
+        if a + 3 >= 16:
+            continue
+        prefix = ids[:, : a + 1]
+        p = dflash.BlockProposer(d, target4, cfg)
+        h = p.block_hidden(prefix, {n: f[:, :a] for n, f in feats.items()}, 3)
+        z = target4.get_output_embeddings()(h)
+        w1, w2 = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight
+        for k in range(3):  # slot k+1 drafts x_{a+k+1}; its previous token is the data token x_{a+k}
+            want = z[k] + w2 @ w1[ids[0, a + k]]
+            assert torch.allclose(logits[j, k], want, atol=1e-4), (a, k)
+
+
+@pytest.mark.parametrize("extra", [{}, {"loss": "tvd", "confidence_head_with_markov": False}], ids=["ce", "soft"])
+def test_training_learns_calibrates_and_greedy_stays_lossless(target4, extra):
+    torch.manual_seed(0)
+    cfg = _cfg(num_layers=1, num_anchors=8, **extra)
+    d = dspark.build(cfg, target4)
+    ids = torch.randint(5, 60, (2, 24))
+    lmask = torch.ones_like(ids)
+    lmask[:, :4] = 0
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": lmask}
+    feats = _feats(target4, cfg, ids)
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
+    log = []
+    for _ in range(40):
+        loss, n, m = dspark.compute_loss(d, target4, batch, feats, cfg)
+        assert int(n) == 16 and set(m) == {"acc", "acc1", "acc2", "conf_bce", "accept", "confidence"}
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad()
+        log.append({k: (v / n).item() for k, v in m.items()})
+    if cfg.loss == "ce":
+        assert log[-1]["acc"] > log[0]["acc"] + 0.3
+    assert log[-1]["accept"] > log[0]["accept"]  # the drafts' soft acceptance rises
+    assert d.markov_head.markov_w2.weight.abs().max() > 0  # the Markov head trained (it starts at zero)
+    # Calibration: the mean confidence moves to the mean soft acceptance, and the BCE falls.
+    assert abs(log[-1]["confidence"] - log[-1]["accept"]) < abs(log[0]["confidence"] - log[0]["accept"])
+    assert log[-1]["conf_bce"] < log[0]["conf_bce"]
+    prompt = ids[0, :8].tolist()
+    proposer = dspark.make_proposer(d.eval(), target4, cfg)
+    stats = Stats(k=3)
+    assert speculative_greedy(target4, proposer, prompt, 3, 30, {2}, stats) == target_greedy(target4, prompt, 30, {2})
+    assert stats.passes
+
+
+@pytest.mark.chi_square
+def test_sampled_markov_chains_are_lossless(peaked_target):
+    """Draft i is sampled from the Markov-corrected q_i, which depends on the drafts before it: the
+    rule only needs q_i known, so the output keeps the target's distribution (chi-square against
+    target-only sampling); accepting every draft does not (the negative control)."""
+    from draftsmith.engine.speculative import speculative_sample
+    from tests.engine.test_sampling import PROMPT, AcceptAll, N, _collect, _reference, chi_square_p
+
+    target = peaked_target
+    torch.manual_seed(0)
+    cfg = dspark.DrafterConfig(aux_layers=[0], block_size=4, markov_rank=4)
+    proposer = dspark.make_proposer(_strong_markov(dspark.build(cfg, target).eval(), scale=1.0), target, cfg)
+    ref = _reference(target, 1.0, 1.0)
+    spec = _collect(lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), Sampler(1.0, 1.0, seed=s)))
+    assert chi_square_p(ref, spec) > 1e-3
+    broken = _collect(
+        lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), AcceptAll(1.0, 1.0, seed=s)), N // 2
+    )
+    assert chi_square_p(ref, broken) < 1e-3
+
+
+def test_confidence_weight_adds_the_bce_and_no_head_adds_nothing(target4):
+    ids = torch.randint(5, 60, (1, 20))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    feats = _feats(target4, _cfg(), ids)
+    d = _strong_markov(dspark.build(_cfg(num_anchors=4), target4))
+    losses = {}
+    for w in (0.0, 1.0, 2.0):
+        torch.manual_seed(5)  # the same anchors
+        losses[w] = dspark.compute_loss(d, target4, batch, feats, _cfg(num_anchors=4, confidence_weight=w))[0]
+    bce = losses[1.0] - losses[0.0]  # the BCE sum over trained slots
+    assert bce > 0 and torch.allclose(losses[2.0] - losses[0.0], 2 * bce, atol=1e-4)
+    headless = _cfg(num_anchors=4, enable_confidence_head=False)
+    d2 = dspark.build(headless, target4)
+    assert d2.confidence_head is None and not any("confidence" in k for k in d2.state_dict())
+    torch.manual_seed(5)
+    _, _, m = dspark.compute_loss(d2, target4, batch, feats, headless)
+    assert set(m) == {"acc", "acc1", "acc2"}
+
+
+def test_speculators_export_is_what_vllm_reads_and_round_trips(target4, tmp_path):
+    cfg = _cfg()
+    path = _save(tmp_path, dspark, cfg, target4)
+    state = load_state(path)  # a Markov head that matters (it is saved at zero), as if trained
+    torch.manual_seed(2)
+    state["markov_head.markov_w2.weight"] = torch.randn_like(state["markov_head.markov_w2.weight"])
+    save_file(state, path / "model.safetensors")
+    out = export(path, target4, "speculators", tmp_path / "spec")
+    c, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    assert c["speculators_model_type"] == "dspark" and c["speculators_config"]["algorithm"] == "dspark"
+    assert c["aux_hidden_state_layer_ids"] == [1, 2, 3]  # layer inputs = draftsmith's outputs + 1
+    assert c["markov_rank"] == 6 and c["markov_head_type"] == "vanilla"
+    assert c["enable_confidence_head"] is True and c["confidence_head_with_markov"] is True
+    assert c["sample_from_anchor"] is False and c["mask_token_id"] == 3 and c["block_size"] == 4
+    assert c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    v, h = target4.config.vocab_size, 32
+    assert state["markov_head.markov_w1.weight"].shape == (v, 6)
+    assert state["markov_head.markov_w2.weight"].shape == (v, 6)
+    assert state["confidence_head.proj.weight"].shape == (1, h + 6) and state["confidence_head.proj.bias"].shape == (1,)
+    assert state["fc.weight"].shape == (32, 3 * 32) and "layers.1.self_attn.k_norm.weight" in state
+    assert not {"d2t", "t2d", "embed_tokens.weight", "lm_head.weight"} & set(state)  # vLLM shares the target's
+    assert export_family(out) == "dspark"
+    _same_decoding(path, out, target4)
+    assert '"method": "dspark"' in dspark.serving_snippet("speculators", "me/x", "tiny", 3)
+    assert dspark.vllm_serving(out, c, 3)[0] == {"method": "dspark", "model": str(out), "num_speculative_tokens": 3}
+    # A peer's folder (no draftsmith section) is recognised and init_from reads its fields and weights.
+    del c["draftsmith"]
+    (out / "config.json").write_text(json.dumps(c))
+    assert export_family(out) == "dspark"
+    got = dspark.from_init(dspark.DrafterConfig(), c, target4.config)
+    assert (got.aux_layers, got.num_layers, got.block_size, got.mask_token_id, got.markov_rank) == (
+        [0, 1, 2],
+        2,
+        4,
+        3,
+        6,
+    )
+    fresh = dspark.build(got, target4)
+    init_weights(fresh, "dspark", out, target4)
+    assert all(torch.equal(fresh.state_dict()[k], t) for k, t in state.items())
+    with pytest.raises(DraftsmithError, match="sample_from_anchor"):  # speculators' default layout
+        dspark.from_init(
+            dspark.DrafterConfig(), {k: x for k, x in c.items() if k != "sample_from_anchor"}, target4.config
+        )
+    with pytest.raises(DraftsmithError, match="'gated'"):
+        dspark.from_init(dspark.DrafterConfig(), {**c, "markov_head_type": "gated"}, target4.config)
+
+
+@pytest.mark.fp32_exact
+def test_export_verify_passes_after_training(tmp_path, chat_jsonl, monkeypatch):
+    from draftsmith.cli import main
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+    from tests.conftest import save_target
+    from tests.train.test_train import _overrides
+
+    monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", "none")  # tiny head dims: below vLLM's CPU attention
+    target_dir = save_target(tmp_path / "target", layers=3)
+    extra = {"drafter.type": "dspark", "drafter.aux_layers": [0, 1], "drafter.block_size": 4, "drafter.markov_rank": 8}
+    run = train(load_config(None, _overrides(target_dir, chat_jsonl, tmp_path, **{**extra, "optim.max_steps": 3})))
+    out = tmp_path / "spec"
+    args = ["export", str(run / "final"), "--format", "speculators", "--out", str(out), "--verify", "--data"]
+    assert main([*args, str(chat_jsonl)]) == 0
+    assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "dspark"
+
+
+def test_bad_configs_are_one_line_errors(target4):
+    for kw, match in [
+        ({"markov_rank": 0}, "drafter.markov_rank"),
+        ({"confidence_weight": -1.0}, "drafter.confidence_weight"),
+        ({"sample_from_anchor": True}, "drafter.sample_from_anchor"),
+        ({"block_size": 1}, "drafter.block_size"),  # dflash's checks, shared
+        ({"loss": "kl"}, "unknown loss 'kl'"),
+    ]:
+        with pytest.raises(DraftsmithError, match=match) as e:
+            dspark.DrafterConfig(**kw)
+        assert "\n" not in str(e.value)
+
+
+# --- vLLM's own loader (its CPU build refuses to serve dspark; models/dspark.py) ----------------------
+
+
+@pytest.mark.vllm  # vLLM's environment: not a unit test (scripts/test.sh)
+@pytest.mark.vllm_families
+@pytest.mark.parametrize("extra", [{}, {"confidence_head_with_markov": False}], ids=["conf-markov", "conf-hidden"])
+def test_vllm_load_weights_accepts_every_tensor_of_the_export(tmp_path, extra):
+    """vLLM's own config parser, Qwen3DSparkForCausalLM and its load_weights, in vLLM's environment
+    (tests/models/vllm_dspark_load.py): every exported tensor is accepted and lands, values and all,
+    in the parameter vLLM drafts with (q/k/v and gate/up stacked at their row offsets); what no
+    tensor fills is exactly what vLLM shares with the target (embed_tokens, lm_head) or drops."""
+    from draftsmith.target.load import load_target
+    from draftsmith.target.vllm_server import available, find_python
+    from tests.conftest import save_target
+
+    if not available():
+        pytest.skip("vLLM is not installed (.venv-vllm: bash scripts/setup.sh --vllm)")
+    target_dir = save_target(tmp_path / "target", layers=4)
+    target = load_target(str(target_dir), "fp32")[0]
+    cfg = _cfg(**extra)
+    path = _save(tmp_path, dspark, cfg, target)
+    state = load_state(path)
+    torch.manual_seed(3)  # every tensor distinct (norms are ones and W2 zeros when fresh)
+    save_file({k: t + 0.1 * torch.randn_like(t) for k, t in state.items()}, path / "model.safetensors")
+    out = export(path, target, "speculators", tmp_path / "spec")
+    result = subprocess.run(
+        [find_python(), str(ROOT / "tests" / "models" / "vllm_dspark_load.py"), str(out), str(target_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    state = load_file(out / "model.safetensors")
+    assert report["loaded"] == sorted(state) and report["not_landed"] == []
+    c = report["config"]
+    assert c["architectures"] == ["Qwen3DSparkModel"] and c["markov_rank"] == 6 and c["sample_from_anchor"] is False
+    assert c["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and c["mask_token_id"] == 3
+    assert c["confidence_head_with_markov"] is (extra == {}) and report["confidence_head"]
+    q, kv, inter = 4 * 8, 2 * 8, 64  # n_h * d, n_kv * d, I of the tiny target
+    for i in range(2):
+        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        assert report["landed"][f"{attn}.q_proj.weight"] == [f"model.{attn}.qkv_proj.weight", 0]
+        assert report["landed"][f"{attn}.k_proj.weight"] == [f"model.{attn}.qkv_proj.weight", q]
+        assert report["landed"][f"{attn}.v_proj.weight"] == [f"model.{attn}.qkv_proj.weight", q + kv]
+        assert report["landed"][f"{mlp}.up_proj.weight"] == [f"model.{mlp}.gate_up_proj.weight", inter]
+    assert report["landed"]["markov_head.markov_w2.weight"] == ["model.markov_head.markov_w2.weight", 0]
+    assert report["not_from_checkpoint"] == ["lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"]
