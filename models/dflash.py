@@ -607,8 +607,10 @@ def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
 
 
 def consumer_check(exported, target, ours, prompt_ids) -> dict | None:
-    """speculators' own loader on the export (every tensor arrives unchanged); its DFlash forward
-    is not run here (the vLLM serve-check runs the engine's)."""
+    """speculators' own loader on the export (every tensor arrives unchanged): DFlash's, and DSpark's
+    and DFlash2's (models/dspark.py, models/dflash2.py); their forward is not run here (for DFlash the
+    vLLM serve-check runs the engine's; vLLM's CPU build serves neither of the other two, whose exports
+    vLLM's own load_weights reads in tests/models: `vllm_families`)."""
     check, _ = speculators_load_check(exported)
     return {**check, "consumer": "speculators"}
 

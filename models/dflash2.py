@@ -47,7 +47,6 @@ from draftsmith import DraftsmithError
 from draftsmith.engine.drafts import Draft
 from draftsmith.engine.proposers import Proposer
 from draftsmith.models import dflash
-from draftsmith.models.eagle3 import speculators_load_check
 from draftsmith.models.family import Family
 from draftsmith.models.formats import from_exported_head, vllm_method, vllm_snippet, write_tensors
 from draftsmith.util.losses import selector_candidates, selector_cross_entropy
@@ -374,13 +373,6 @@ def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
     return vllm_snippet("dflash", repo_id, target, k)
 
 
-def consumer_check(exported, target, ours, prompt_ids) -> dict | None:
-    """speculators' own DFlash2 loader on the export (every tensor arrives unchanged); vLLM's loader:
-    tests/models/test_dflash2.py (vllm_families), since vLLM's CPU build refuses to serve DFlash2."""
-    check, _ = speculators_load_check(exported)
-    return {**check, "consumer": "speculators"}
-
-
 FAMILY = Family(
     NAME=NAME,
     DrafterConfig=DrafterConfig,
@@ -398,6 +390,6 @@ FAMILY = Family(
     serving_snippet=serving_snippet,
     SERVE_FORMAT=SERVE_FORMAT,
     vllm_serving=vllm_serving,
-    consumer_check=consumer_check,
+    consumer_check=dflash.consumer_check,  # speculators' loader; vLLM's: the vllm_families test
     from_init=from_init,
 )

@@ -40,7 +40,6 @@ from draftsmith import DraftsmithError
 from draftsmith.engine.drafts import Draft
 from draftsmith.engine.proposers import Proposer
 from draftsmith.models import dflash
-from draftsmith.models.eagle3 import speculators_load_check
 from draftsmith.models.family import Family
 from draftsmith.models.formats import from_exported_head, vllm_method, vllm_snippet, write_tensors
 from draftsmith.util.losses import confidence_bce, soft_acceptance
@@ -325,13 +324,6 @@ def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
     return vllm_snippet("dspark", repo_id, target, k)
 
 
-def consumer_check(exported, target, ours, prompt_ids) -> dict | None:
-    """speculators' own DSpark loader on the export (every tensor arrives unchanged); vLLM's loader:
-    tests/models/test_dspark.py (vllm_families), since vLLM's CPU build refuses to serve dspark."""
-    check, _ = speculators_load_check(exported)
-    return {**check, "consumer": "speculators"}
-
-
 FAMILY = Family(
     NAME=NAME,
     DrafterConfig=DrafterConfig,
@@ -349,6 +341,6 @@ FAMILY = Family(
     serving_snippet=serving_snippet,
     SERVE_FORMAT=SERVE_FORMAT,
     vllm_serving=vllm_serving,
-    consumer_check=consumer_check,
+    consumer_check=dflash.consumer_check,  # speculators' loader; vLLM's: the vllm_families test
     from_init=from_init,
 )
