@@ -594,12 +594,15 @@ def read_export(path, target) -> dict[str, torch.Tensor]:
     return state
 
 
+def from_block_export(path, config: dict, cfg, target, init_fields, build_drafter):
+    """A block drafter (DFlash's, DSpark's, DFlash2's) rebuilt from an export: `cfg` with the fields
+    the export's config fixes (`init_fields(config)`, unknown ones kept), built, its tensors loaded."""
+    fields = {k: v for k, v in init_fields(config).items() if v is not None}
+    return from_exported_head(build_drafter(replace(cfg, **fields), target), config, read_export(path, target))
+
+
 def from_export(path, config: dict, cfg: DrafterConfig, target) -> DFlashDrafter:
-    return from_exported_head(
-        build(replace(cfg, **{k: v for k, v in _init_fields(config).items() if v is not None}), target),
-        config,
-        read_export(path, target),
-    )
+    return from_block_export(path, config, cfg, target, _init_fields, build)
 
 
 def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:

@@ -37,7 +37,7 @@ with no d2t, and its codebooks have V rows): the export ships no embed_tokens / 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,7 @@ from draftsmith.engine.drafts import Draft
 from draftsmith.engine.proposers import Proposer
 from draftsmith.models import dflash
 from draftsmith.models.family import Family
-from draftsmith.models.formats import from_exported_head, vllm_method, vllm_snippet, write_tensors
+from draftsmith.models.formats import vllm_method, vllm_snippet, write_tensors
 from draftsmith.util.losses import selector_candidates, selector_cross_entropy
 
 NAME = "dflash2"
@@ -365,8 +365,7 @@ def recognises(config: dict, tensor_names: set[str]) -> bool:
 
 
 def from_export(path, config: dict, cfg: DrafterConfig, target) -> DFlash2Drafter:
-    fields = {k: v for k, v in _init_fields(config).items() if v is not None}
-    return from_exported_head(build(replace(cfg, **fields), target), config, dflash.read_export(path, target))
+    return dflash.from_block_export(path, config, cfg, target, _init_fields, build)
 
 
 def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:

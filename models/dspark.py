@@ -30,7 +30,7 @@ Full vocabulary only: the export ships no embed_tokens / lm_head / d2t, vLLM sha
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,7 @@ from draftsmith.engine.drafts import Draft
 from draftsmith.engine.proposers import Proposer
 from draftsmith.models import dflash
 from draftsmith.models.family import Family
-from draftsmith.models.formats import from_exported_head, vllm_method, vllm_snippet, write_tensors
+from draftsmith.models.formats import vllm_method, vllm_snippet, write_tensors
 from draftsmith.util.losses import confidence_bce, soft_acceptance
 
 NAME = "dspark"
@@ -316,8 +316,7 @@ def recognises(config: dict, tensor_names: set[str]) -> bool:
 
 
 def from_export(path, config: dict, cfg: DrafterConfig, target) -> DSparkDrafter:
-    fields = {k: v for k, v in _init_fields(config).items() if v is not None}
-    return from_exported_head(build(replace(cfg, **fields), target), config, dflash.read_export(path, target))
+    return dflash.from_block_export(path, config, cfg, target, _init_fields, build)
 
 
 def serving_snippet(fmt: str, repo_id: str, target: str, k: int) -> str:
