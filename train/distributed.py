@@ -139,6 +139,20 @@ def whole_weights(accelerator: Accelerator):
         plugin.set_deepspeed_weakref()
 
 
+def deepspeed_line(accelerator: Accelerator, zero: int) -> str:
+    """The start-up line's DeepSpeed part: the ZeRO stage, and where an offloaded optimizer steps
+    (accelerate swaps the loop's AdamW for DeepSpeed's CPU Adam unless the JSON sets
+    `zero_force_ds_cpu_optimizer: false`)."""
+    if not zero:
+        return ""
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    device = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    if device == "none":
+        return f" | DeepSpeed ZeRO-{zero}"
+    adam = "DeepSpeed's CPU Adam" if ds.get("zero_force_ds_cpu_optimizer", True) else "torch's AdamW"
+    return f" | DeepSpeed ZeRO-{zero}, optimizer offloaded to {device} ({adam})"
+
+
 def shard_target(accelerator: Accelerator, target, shares_weights: bool = False):
     """ZeRO-3: partition the frozen target over the ranks too, as TRL does for reference models. An
     engine without an optimizer keeps 1/world of each parameter per rank and gathers a module's

@@ -50,6 +50,7 @@ from draftsmith.train.config import Config, drafter_config, resolve_precision
 from draftsmith.train.distributed import (
     autocast,
     deepspeed_backward,
+    deepspeed_line,
     fill_deepspeed_config,
     fits_whole,
     fsdp_shard_target,
@@ -195,7 +196,7 @@ def start(cfg: Config) -> Run:
     )
     accelerator.print(
         f"precision: train {cfg.optim.mixed_precision}, target {cfg.target_dtype}, eval {cfg.eval.dtype} "
-        f"on {describe(hardware(accelerator.device))}" + (f" | DeepSpeed ZeRO-{run.zero}" if run.zero else "")
+        f"on {describe(hardware(accelerator.device))}{deepspeed_line(accelerator, run.zero)}"
     )
     set_seed(cfg.optim.seed + run.rank)  # per-rank noise streams; data order is seeded separately
     if accelerator.is_main_process:

@@ -90,7 +90,7 @@ def test_a_final_eval_longer_than_the_process_group_timeout_does_not_fail_the_ot
             **{
                 "dist_timeout_minutes": 0.05,
                 "eval.enabled": "true",
-                "eval.num_prompts": 12,
+                "eval.num_prompts": 4,
                 "eval.max_new_tokens": 120,
             },
         ),
