@@ -82,6 +82,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch-size", type=int, default=8, help="global examples per optimizer step")
     p.add_argument("--setups", default="ddp,zero2,zero3")
+    p.add_argument("--procs", default="1,2", help="process counts to run each setup with")
     p.add_argument("--out", default="scaling")
     p.add_argument("overrides", nargs="*", help="more key=value overrides for every run")
     args = p.parse_args(argv)
@@ -89,7 +90,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for setup in args.setups.split(","):
-        for procs in (1, 2):
+        for procs in map(int, args.procs.split(",")):
             rows.append(run_one(args.recipe, setup, procs, args.steps, args.batch_size, out, args.overrides))
     where = precision.describe(precision.hardware("cpu"))
     print(f"\n{args.recipe}, {args.steps} steps of {args.batch_size} examples, {where}")
@@ -99,7 +100,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|")
     one = {r["setup"]: r["tokens_per_s"] for r in rows if r["processes"] == 1}
     for r in rows:
-        ratio = f"{r['tokens_per_s'] / one[r['setup']]:.2f}x" if r["processes"] == 2 else "-"
+        ratio = f"{r['tokens_per_s'] / one[r['setup']]:.2f}x" if r["processes"] == 2 and r["setup"] in one else "-"
         print(
             f"| {r['setup']} | {r['processes']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_process']:.0f} | "
             f"{ratio} | {r['wall_s']:.0f} | {r['peak_rss_gb_rank0']:.2f} |"

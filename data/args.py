@@ -19,6 +19,8 @@ class RegenerateArgs:
     max_new_tokens: int = 128
     temperature: float = 0.0
     max_examples: int = 0
+    turns: str = field(default="all", metadata={"choices": ["all", "last"]})
+    """which assistant turns the target answers: every one, turn by turn, or the last"""
     dtype: str = field(default="auto", metadata={"type": dtype_arg, "help": DTYPE_HELP})
     engine: str = field(default="hf", metadata={"choices": ["hf", "vllm"]})
     """hf: the target answers in this process (with features); vllm: through a vLLM server, exact token ids

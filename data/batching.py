@@ -34,7 +34,7 @@ def build_dataset(
     refused = Malformed(spec, malformed)
     records = located_records(spec, split)[: max_examples or None]
     first = next((row for _, row in records if isinstance(row, dict)), {})
-    if "completion_ids" in first:
+    if "completion_ids" in first or "turns" in first:  # regenerated: the target's exact ids
         exact = lambda row, where: tokenized_example(row, len(tok), max_length, where)  # noqa: E731
         examples = [(n, refused.keep(exact, row, where)) for n, (where, row) in enumerate(records)]
         refused.report(len(records))

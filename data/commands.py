@@ -35,6 +35,7 @@ def run_regenerate(args: RegenerateArgs) -> None:
             python=args.vllm_python,
             dtype=args.dtype,
             extra=tuple(args.vllm_arg),
+            turns=args.turns,
         )
     else:
         target, tok = load_target(args.target, args.dtype)
@@ -47,6 +48,7 @@ def run_regenerate(args: RegenerateArgs) -> None:
             args.max_new_tokens,
             args.temperature,
             args.max_examples,
+            turns=args.turns,
         )
     print(f"wrote {out}")
 

@@ -190,23 +190,63 @@ def to_messages(row: dict, where: str) -> list[dict] | str:
     )
 
 
+TURNS = ("all", "last")
+
+
+def answer_points(msgs: list[dict], turns: str = "all") -> list[int]:
+    """Where the target answers a conversation: indices into `msgs` at which an assistant turn stands
+    (or, == len(msgs), would follow the last message). `last`: the last assistant turn only (what eval
+    answers; the conversation after it is dropped); `all`: every assistant turn in order, and one more
+    after a trailing user or tool turn."""
+    if turns not in TURNS:
+        raise DraftsmithError(f"data.turns: expected all or last, got {turns!r}")
+    assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    if turns == "last":
+        return [assistant[-1] if assistant else len(msgs)]
+    return assistant + ([len(msgs)] if not assistant or assistant[-1] < len(msgs) - 1 else [])
+
+
 def prompt_messages(msgs: list[dict]) -> list[dict]:
-    """The conversation up to (not including) the last assistant turn: what eval/regenerate answer."""
-    last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=len(msgs))
-    return msgs[:last]
+    """The conversation up to (not including) the last assistant turn: what eval answers."""
+    return msgs[: answer_points(msgs, "last")[0]]
 
 
-def _apply_template(tok, msgs: list[dict], where: str, **kwargs):
+def chat_kwargs(row: dict, default: dict | None, where: str) -> dict:
+    """The chat template's switches for one record: the recipe's `data.chat_template_kwargs` (e.g.
+    {enable_thinking: false} for Qwen3's thinking mode), then the record's own: `chat_template_kwargs`
+    (as vLLM and SGLang requests carry them) or a bare `enable_thinking`."""
+    own = row.get("chat_template_kwargs") or {}
+    if not isinstance(own, dict):
+        raise DraftsmithError(f"{where}: 'chat_template_kwargs' must be an object, got {_brief(own)}")
+    if row.get("enable_thinking") is not None:
+        if not isinstance(row["enable_thinking"], bool):
+            raise DraftsmithError(
+                f"{where}: 'enable_thinking' must be true or false, got {_brief(row['enable_thinking'])}"
+            )
+        own = {**own, "enable_thinking": row["enable_thinking"]}
+    return {**(default or {}), **own}
+
+
+def thinking(chat: dict | None) -> str:
+    """How a report names the thinking switch: on, off, or the template's default."""
+    value = (chat or {}).get("enable_thinking")
+    return "template default" if value is None else "on" if value else "off"
+
+
+def _apply_template(tok, msgs: list[dict], where: str, chat: dict | None = None, **kwargs):
     from jinja2 import TemplateError
 
     try:
-        return tok.apply_chat_template(msgs, tokenize=True, **kwargs)
+        # `chat`: variables the template reads (enable_thinking), passed as the engines pass them.
+        return tok.apply_chat_template(msgs, tokenize=True, **(chat or {}), **kwargs)
     except TemplateError as e:  # e.g. `raise_exception('roles must alternate')` in the template
         raise DraftsmithError(f"{where}: the chat template refuses this conversation ({e})") from None
 
 
-def _template_ids(tok, msgs: list[dict], add_generation_prompt: bool, where: str) -> list[int]:
-    return _apply_template(tok, msgs, where, add_generation_prompt=add_generation_prompt, return_dict=False)
+def _template_ids(
+    tok, msgs: list[dict], add_generation_prompt: bool, where: str, chat: dict | None = None
+) -> list[int]:
+    return _apply_template(tok, msgs, where, chat, add_generation_prompt=add_generation_prompt, return_dict=False)
 
 
 def require_chat_template(tok, where: str) -> None:
@@ -224,27 +264,28 @@ def mask_method(tok) -> str:
     return "generation markers" if marks_generations(tok) else "prefix rendering"
 
 
-def tokenize_example(tok, item: list[dict] | str, max_length: int, where: str) -> dict:
+def tokenize_example(tok, item: list[dict] | str, max_length: int, where: str, chat: dict | None = None) -> dict:
     """-> {input_ids, loss_mask}; loss_mask is 1 on assistant tokens (all tokens for plain text).
 
     A template with {% generation %} markers says which tokens are the assistant's. Otherwise each
     assistant turn's span is found by rendering growing prefixes of the conversation: the tokens it
     adds beyond `template(msgs[:i], add_generation_prompt=True)`, up to `template(msgs[:i+1])`.
+    `chat`: the template's switches (`chat_kwargs`).
     """
     if isinstance(item, str):
         ids = tok(item, add_special_tokens=True)["input_ids"][:max_length]
         return {"input_ids": ids, "loss_mask": [1] * len(ids)}
     require_chat_template(tok, where)
     if marks_generations(tok):
-        out = _apply_template(tok, item, where, return_dict=True, return_assistant_tokens_mask=True)
+        out = _apply_template(tok, item, where, chat, return_dict=True, return_assistant_tokens_mask=True)
         return {"input_ids": out["input_ids"][:max_length], "loss_mask": out["assistant_masks"][:max_length]}
-    ids = _template_ids(tok, item, False, where)
+    ids = _template_ids(tok, item, False, where, chat)
     mask = [0] * len(ids)
     for i, m in enumerate(item):
         if m["role"] != "assistant":
             continue
-        before = _template_ids(tok, item[:i], True, where)
-        through = _template_ids(tok, item[: i + 1], False, where)
+        before = _template_ids(tok, item[:i], True, where, chat)
+        through = _template_ids(tok, item[: i + 1], False, where, chat)
         # Prefix spans are right only if the full rendering starts with both prefixes. Templates that
         # render a turn by its position break that: Qwen3's adds an empty <think></think> block to
         # the last assistant turn only, so `through` (turn i last) holds tokens the full rendering
@@ -260,42 +301,59 @@ def tokenize_example(tok, item: list[dict] | str, max_length: int, where: str) -
     return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
 
 
+def _token_ids(value, key: str, vocab: int, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(i, int) and 0 <= i < vocab for i in value):
+        raise DraftsmithError(f"{where}: '{key}' must be a list of token ids in [0, {vocab}) for this target")
+    return value
+
+
 def tokenized_example(row: dict, vocab: int, max_length: int, where: str) -> dict:
-    """A record that already holds the exact tokens (`data regenerate` writes `prompt_ids` +
-    `completion_ids`): used verbatim, never re-tokenized; loss on the completion only."""
-    ids = {}
-    for key in ("prompt_ids", "completion_ids"):
-        value = row.get(key)
-        if not isinstance(value, list) or not all(isinstance(i, int) and 0 <= i < vocab for i in value):
-            raise DraftsmithError(f"{where}: '{key}' must be a list of token ids in [0, {vocab}) for this target")
-        ids[key] = value
-    input_ids = (ids["prompt_ids"] + ids["completion_ids"])[:max_length]
-    mask = ([0] * len(ids["prompt_ids"]) + [1] * len(ids["completion_ids"]))[:max_length]
-    return {"input_ids": input_ids, "loss_mask": mask, "length": len(input_ids)}
+    """A record that already holds the exact tokens, used verbatim and never re-tokenized; loss on
+    the target's answers only. `data regenerate` writes `prompt_ids` + `completion_ids` for one
+    answer, and for several answers in one sequence `turns`: [{prompt_ids, completion_ids}, ...],
+    where each later `prompt_ids` holds the tokens the chat template puts between the previous answer
+    and this one (the end of that turn, the next user or tool turn, the assistant header)."""
+    turns = row.get("turns", [row])
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) for t in turns):
+        raise DraftsmithError(f"{where}: 'turns' must be a non-empty list of {{prompt_ids, completion_ids}}")
+    input_ids, mask = [], []
+    for t in turns:
+        prompt = _token_ids(t.get("prompt_ids"), "prompt_ids", vocab, where)
+        completion = _token_ids(t.get("completion_ids"), "completion_ids", vocab, where)
+        input_ids += prompt + completion
+        mask += [0] * len(prompt) + [1] * len(completion)
+    return {
+        "input_ids": input_ids[:max_length],
+        "loss_mask": mask[:max_length],
+        "length": min(len(input_ids), max_length),
+    }
 
 
-def encode_record(tok, row: dict, max_length: int, where: str) -> tuple[dict, str]:
-    """One record as training tokenizes it, and what its loss mask comes from (`data inspect`)."""
-    if "completion_ids" in row:
-        return tokenized_example(row, len(tok), max_length, where), "the record's completion_ids"
+def encode_record(tok, row: dict, max_length: int, where: str, chat: dict | None = None) -> tuple[dict, str]:
+    """One record as training tokenizes it, and what its loss mask comes from (`data inspect`);
+    `chat`: the recipe's `data.chat_template_kwargs`."""
+    if "completion_ids" in row or "turns" in row:
+        spans = len(row.get("turns", [row]))
+        return tokenized_example(row, len(tok), max_length, where), f"the record's completion_ids ({spans} answers)"
     item = to_messages(row, where)
     if isinstance(item, str):
         return tokenize_example(tok, item, max_length, where), "plain text (every token trained)"
-    return tokenize_example(tok, item, max_length, where), mask_method(tok)
+    return tokenize_example(tok, item, max_length, where, chat_kwargs(row, chat, where)), mask_method(tok)
 
 
-def load_prompts(
-    spec: str, max_prompts: int = 0, split: str = "train", malformed: str = "skip"
-) -> list[list[dict] | str]:
-    """Prompts of a holdout: chat records lose their last assistant turn; text records are kept.
-    Malformed records are skipped with one summary line, or with malformed="error" stop at the first."""
+def load_conversations(
+    spec: str, max_records: int = 0, split: str = "train", malformed: str = "skip", chat: dict | None = None
+) -> list[tuple[list[dict] | str, dict]]:
+    """Every usable record of `spec` as messages (or plain text), with its chat template switches
+    (`chat_kwargs`, over the recipe's `chat`). Malformed records are skipped with one summary line, or
+    with malformed="error" stop at the first."""
     refused, out, read = Malformed(spec, malformed), [], 0
     for where, row in located_records(spec, split):
         read += 1
-        item = refused.keep(to_messages, row, where)
+        item = refused.keep(lambda r, w: (to_messages(r, w), chat_kwargs(r, chat, w)), row, where)
         if item is not None:
-            out.append(item if isinstance(item, str) else prompt_messages(item))
-        if max_prompts and len(out) >= max_prompts:
+            out.append(item)
+        if max_records and len(out) >= max_records:
             break
     refused.report(read)
     if not out:
@@ -303,8 +361,21 @@ def load_prompts(
     return out
 
 
-def encode_prompt(tok, item: list[dict] | str) -> list[int]:
+def load_prompts(
+    spec: str, max_prompts: int = 0, split: str = "train", malformed: str = "skip"
+) -> list[list[dict] | str]:
+    """Prompts of a holdout: chat records lose their last assistant turn (and what follows it); text
+    records are kept. Malformed records as in `load_conversations`."""
+    return [
+        c if isinstance(c, str) else prompt_messages(c)
+        for c, _ in load_conversations(spec, max_prompts, split, malformed)
+    ]
+
+
+def encode_prompt(tok, item: list[dict] | str, chat: dict | None = None) -> list[int]:
+    """A prompt's ids as an engine renders it: the chat template (with its switches `chat`) and the
+    assistant header after it; plain text as the tokenizer encodes it."""
     if isinstance(item, str):
         return tok(item, add_special_tokens=True)["input_ids"]
     require_chat_template(tok, "prompt")
-    return _template_ids(tok, item, True, "prompt")
+    return _template_ids(tok, item, True, "prompt", chat)

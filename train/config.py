@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.data.load import TURNS
 from draftsmith.engine.drafts import parse_tree
 from draftsmith.eval.config import EvalConfig
 from draftsmith.models.registry import DEFAULT_DRAFTER, drafter_module
@@ -31,6 +32,9 @@ class DataConfig:
     file:line) or `error` (stop at the first)."""
     regenerate: bool = False
     """Replace responses with the target's own answers before training (self-distillation)."""
+    turns: str = "all"
+    """Which assistant turns of a conversation the target answers when regenerating: `all` (turn by
+    turn, each prompt holding its own earlier answers; every answer trained) or `last`."""
     regenerate_max_new_tokens: int = 128
     regenerate_batch_size: int = 32
     regenerate_engine: str = "hf"
@@ -59,6 +63,8 @@ class DataConfig:
     def __post_init__(self):
         if self.malformed not in ("skip", "error"):
             raise DraftsmithError(f"data.malformed: expected skip or error, got {self.malformed!r}")
+        if self.turns not in TURNS:
+            raise DraftsmithError(f"data.turns: expected all or last, got {self.turns!r}")
         if self.regenerate_engine not in ("hf", "vllm"):
             raise DraftsmithError(f"data.regenerate_engine: expected hf or vllm, got {self.regenerate_engine!r}")
         if self.regenerate_engine == "hf" and (

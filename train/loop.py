@@ -458,7 +458,7 @@ def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], sha
             cfg.data.regenerate_batch_size,
             names if cache == "auto" else (),
         )
-        which = dict(split=cfg.data.split, malformed=cfg.data.malformed)
+        which = dict(split=cfg.data.split, malformed=cfg.data.malformed, turns=cfg.data.turns)
         if vllm and not shard.main:
             out, regen_cache = regeneration_path(*args, vllm=vllm, **which), None
             shard.wait_for(out)

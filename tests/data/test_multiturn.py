@@ -1,0 +1,151 @@
+"""Multi-turn regeneration: every assistant turn of a conversation is answered by the target, in
+order, each prompt holding the target's own earlier answers; the record keeps the exact ids, and the
+loss covers exactly those answers."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.data.batching import build_dataset
+from draftsmith.data.load import answer_points, encode_prompt, tokenized_example
+from draftsmith.data.regenerate import _done_ids, regenerate
+from draftsmith.target.load import ensure_pad, eos_ids
+
+U, A, S = "user", "assistant", "system"
+CONVERSATIONS = [
+    [(U, "abc"), (A, "not the target's"), (U, "cfi"), (A, "nor this"), (U, "dhl"), (A, "bye")],
+    [(S, "be brief"), (U, "bcd")],  # no answer in the data: the target answers at the end
+    [(U, "egi"), (A, "ok"), (U, "xyz")],  # a trailing user turn: answered too
+]
+# Real Qwen3 with thinking off: the generation prompt opens an empty think block, which the template
+# leaves out when it renders earlier assistant turns, so a prompt never starts with the previous
+# prompt + answer: every answer becomes a record line of its own.
+NO_PREFIX = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}"
+)
+
+
+def _write(path, conversations=CONVERSATIONS):
+    rows = [{"messages": [{"role": r, "content": c} for r, c in conv]} for conv in conversations]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _greedy(target, tok, prompt: list[int], n: int) -> list[int]:
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
+    answer, eos = out[0, len(prompt) :].tolist(), eos_ids(target, tok)
+    return answer[: next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))]
+
+
+def _reference(target, tok, conversation, n: int, turns: str = "all") -> list[tuple[list[int], list[int]]]:
+    """Turn by turn, one prompt at a time: (prompt ids, the target's greedy answer) per answer point."""
+    msgs, pairs = [{"role": r, "content": c} for r, c in conversation], []
+    for at in answer_points(msgs, turns):
+        prompt = encode_prompt(tok, msgs[:at])
+        answer = _greedy(target, tok, prompt, n)
+        pairs.append((prompt, answer))
+        reply = {"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)}
+        msgs[at : at + 1] = [reply]
+    return pairs
+
+
+def _pairs(rows: list[dict]) -> dict[int, list[tuple[list[int], list[int]]]]:
+    """(whole prompt ids, answer ids) of every answer in the records, rebuilt from each line's turns."""
+    out = {}
+    for row in rows:
+        tokens = []
+        for turn in row.get("turns", [row]):
+            tokens += turn["prompt_ids"]
+            out.setdefault(row["id"], []).append((list(tokens), turn["completion_ids"]))
+            tokens += turn["completion_ids"]
+    return out
+
+
+def _runs(joins: list[bool]) -> list[int]:
+    """Answers per line: a new line at every answer that does not join the previous one."""
+    runs = [1]
+    for j in joins:
+        runs[-1:] = [runs[-1] + 1] if j else [runs[-1], 1]
+    return runs
+
+
+def test_answer_points():
+    msgs = [{"role": r, "content": ""} for r in (S, U, A, U, A, U)]
+    assert answer_points(msgs, "all") == [2, 4, 6]  # every assistant turn, then after the trailing user turn
+    assert answer_points(msgs, "last") == [4]  # the last assistant turn (eval's prompt); what follows is dropped
+    assert answer_points(msgs[:5], "all") == [2, 4] and answer_points(msgs[:2], "all") == [2]
+    with pytest.raises(Exception, match="data.turns: expected all or last, got 'both'"):
+        answer_points(msgs, "both")
+
+
+@pytest.mark.fp32_exact
+@pytest.mark.parametrize("template", ["chatml", "no-prefix"])
+def test_every_turn_is_answered_in_order_with_the_targets_own_answers(tiny_target, tmp_path, template):
+    from tokenizers import decoders
+
+    target, tok = tiny_target
+    ensure_pad(tok)
+    # Decoded text re-reads as the same tokens, as with real BPE tokenizers (the test tokenizer's
+    # default decoder puts a space between characters).
+    tok.backend_tokenizer.decoder = decoders.Fuse()
+    if template == "no-prefix":
+        tok.chat_template = NO_PREFIX
+    out = regenerate(target, tok, _write(tmp_path / "chats.jsonl"), tmp_path / "regen.jsonl", 4, 8, turns="all")
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    got, ref = _pairs(rows), {i: _reference(target, tok, conv, 8) for i, conv in enumerate(CONVERSATIONS)}
+    # Batched turn by turn across conversations, the answers are the one-prompt-at-a-time reference's.
+    assert got == ref
+    # An answer joins the previous one's sequence exactly when its prompt starts with everything read
+    # and written so far (the template re-renders an answer as its tokens); else a new line starts.
+    joins = {i: [p[: len(q) + len(a)] == q + a for (q, a), (p, _) in zip(pairs, pairs[1:])] for i, pairs in ref.items()}
+    assert [len(r.get("turns", [r])) for r in rows] == [n for i in ref for n in _runs(joins[i])] and all(
+        r.get("parts", 1) == 1 + joins[r["id"]].count(False) for r in rows
+    )
+    if template == "chatml":  # this template re-renders the random target's answers token for token
+        assert joins[0] == [True, True] and joins[2] == [True]
+    else:  # never: a line per answer, numbered, so that a resume can tell a whole conversation
+        assert not any(any(j) for j in joins.values())
+        assert [(r["id"], r.get("part"), r.get("parts")) for r in rows][:3] == [(0, 0, 3), (0, 1, 3), (0, 2, 3)]
+    # Training reads those ids verbatim, the loss on the answers and nowhere else.
+    ds = build_dataset(str(out), tok, max_length=10_000)
+    assert len(ds) == sum(sum(len(c) for _, c in _pairs([r])[r["id"]]) > 2 for r in rows)  # (<= 2: dropped)
+    for ex in ds:
+        row, expect = rows[ex["idx"]], []
+        for turn in row.get("turns", [row]):
+            expect += [0] * len(turn["prompt_ids"]) + [1] * len(turn["completion_ids"])
+        assert ex["loss_mask"] == expect
+    # The record's messages are the conversation with the target's answers, through its last one.
+    assert rows[0]["messages"][1]["content"] == tok.decode(got[0][0][1], skip_special_tokens=True)
+
+
+@pytest.mark.fp32_exact
+def test_last_answers_the_last_assistant_turn_only(tiny_target, tmp_path):
+    target, tok = tiny_target
+    ensure_pad(tok)
+    out = regenerate(target, tok, _write(tmp_path / "chats.jsonl"), tmp_path / "regen.jsonl", 4, 8, turns="last")
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert all("turns" not in r for r in rows)  # one answer: the single-turn record, as before
+    assert _pairs(rows) == {i: _reference(target, tok, conv, 8, "last") for i, conv in enumerate(CONVERSATIONS)}
+
+
+def test_a_conversation_cut_by_an_interruption_is_answered_again(tmp_path):
+    partial = tmp_path / "regen.jsonl.partial"
+    lines = [
+        {"id": 3, "prompt_ids": [1], "completion_ids": [2]},
+        {"id": 0, "part": 0, "parts": 2, "turns": []},
+        {"id": 0, "part": 1, "parts": 2, "turns": []},
+        {"id": 5, "part": 0, "parts": 2, "turns": []},  # its second line never made it to disk
+    ]
+    partial.write_text("".join(json.dumps(l) + "\n" for l in lines) + '{"id": 7, "prom')
+    assert _done_ids(partial) == {0, 3}
+    assert [json.loads(l)["id"] for l in partial.read_text().splitlines()] == [3, 0, 0]
+
+
+def test_a_turns_record_is_one_sequence_and_bad_ids_are_one_line(tmp_path):
+    row = {"turns": [{"prompt_ids": [1, 2], "completion_ids": [3]}, {"prompt_ids": [4], "completion_ids": [5, 6]}]}
+    ex = tokenized_example(row, 10, 100, "f.jsonl:1")
+    assert ex["input_ids"] == [1, 2, 3, 4, 5, 6] and ex["loss_mask"] == [0, 0, 1, 0, 1, 1]
+    with pytest.raises(Exception, match=r"f.jsonl:1: 'completion_ids' must be a list of token ids in \[0, 10\)"):
+        tokenized_example({"turns": [{"prompt_ids": [1], "completion_ids": [12]}]}, 10, 100, "f.jsonl:1")
