@@ -21,6 +21,8 @@ class RegenerateArgs:
     max_examples: int = 0
     turns: str = field(default="all", metadata={"choices": ["all", "last"]})
     """which assistant turns the target answers: every one, turn by turn, or the last"""
+    thinking: str = field(default="", metadata={"choices": ["", "on", "off"]})
+    """the chat template's thinking mode (Qwen3-style enable_thinking); empty: the template's default"""
     dtype: str = field(default="auto", metadata={"type": dtype_arg, "help": DTYPE_HELP})
     engine: str = field(default="hf", metadata={"choices": ["hf", "vllm"]})
     """hf: the target answers in this process (with features); vllm: through a vLLM server, exact token ids

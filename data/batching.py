@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import datasets
@@ -10,6 +11,7 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.data.load import (
     Malformed,
+    chat_kwargs,
     located_records,
     require_chat_template,
     to_messages,
@@ -26,11 +28,13 @@ def build_dataset(
     num_proc: int = 1,
     split: str = "train",
     malformed: str = "skip",
+    chat: dict | None = None,
 ) -> datasets.Dataset:
     """Records -> datasets.Dataset with input_ids, loss_mask, length, idx (the record's number).
     `split`: of a dataset folder or hub dataset (read_records). Malformed records are skipped with
     one summary line (malformed="skip"; all of them malformed is an error) or stop the build at the
-    first ("error"). Examples with no trainable token (e.g. a prompt with no answer) are dropped."""
+    first ("error"). Examples with no trainable token (e.g. a prompt with no answer) are dropped.
+    `chat`: the chat template's switches (data.thinking), under each record's own (`chat_kwargs`)."""
     refused = Malformed(spec, malformed)
     records = located_records(spec, split)[: max_examples or None]
     first = next((row for _, row in records if isinstance(row, dict)), {})
@@ -39,20 +43,22 @@ def build_dataset(
         examples = [(n, refused.keep(exact, row, where)) for n, (where, row) in enumerate(records)]
         refused.report(len(records))
         return _filter(datasets.Dataset.from_list([{**ex, "idx": n} for n, ex in examples if ex is not None]), spec)
-    items = [(n, where, refused.keep(to_messages, row, where)) for n, (where, row) in enumerate(records)]
-    items = [(n, where, item) for n, where, item in items if item is not None]
+    convert = lambda row, where: (to_messages(row, where), chat_kwargs(row, chat, where))  # noqa: E731
+    items = [(n, where, refused.keep(convert, row, where)) for n, (where, row) in enumerate(records)]
+    items = [(n, where, *item) for n, where, item in items if item is not None]
     if not items:
         refused.report(len(records))  # every record malformed: an error
         raise DraftsmithError(f"{spec}: no records")
-    if any(isinstance(item, list) for _, _, item in items):
+    if any(isinstance(item, list) for _, _, item, _ in items):
         require_chat_template(tok, spec)  # once for the data, not as a reason to refuse each record
     # Formats were validated above (file:line errors); tokenize through datasets.map. A record its
     # template cannot mask (tokenize_example) comes back with the reason, refused below in order.
     ds = datasets.Dataset.from_dict(
         {
-            "item": [i if isinstance(i, list) else [{"role": "text", "content": i}] for _, _, i in items],
-            "where": [where for _, where, _ in items],
-            "idx": [n for n, _, _ in items],
+            "item": [i if isinstance(i, list) else [{"role": "text", "content": i}] for _, _, i, _ in items],
+            "where": [where for _, where, _, _ in items],
+            "chat": [json.dumps(c) for _, _, _, c in items],
+            "idx": [n for n, _, _, _ in items],
         }
     )
 
@@ -60,12 +66,14 @@ def build_dataset(
         item = ex["item"]
         item = item[0]["content"] if item and item[0]["role"] == "text" else item
         try:
-            out, reason = tokenize_example(tok, item, max_length, ex["where"]), ""
+            out, reason = tokenize_example(tok, item, max_length, ex["where"], json.loads(ex["chat"])), ""
         except DraftsmithError as e:
             out, reason = {"input_ids": [], "loss_mask": []}, str(e)
         return {**out, "length": len(out["input_ids"]), "refused": reason}
 
-    ds = ds.map(encode, remove_columns=["item", "where"], num_proc=num_proc if num_proc > 1 else None, desc="tokenize")
+    ds = ds.map(
+        encode, remove_columns=["item", "where", "chat"], num_proc=num_proc if num_proc > 1 else None, desc="tokenize"
+    )
     for reason in ds["refused"]:
         if reason:
             refused.refuse(reason)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from draftsmith.data.args import CorpusArgs, RegenerateArgs
-from draftsmith.data.load import load_prompts, read_records
+from draftsmith.data.load import load_prompts, read_records, thinking_kwargs
 
 
 def run_regenerate(args: RegenerateArgs) -> None:
@@ -36,6 +36,7 @@ def run_regenerate(args: RegenerateArgs) -> None:
             dtype=args.dtype,
             extra=tuple(args.vllm_arg),
             turns=args.turns,
+            chat=thinking_kwargs(args.thinking),
         )
     else:
         target, tok = load_target(args.target, args.dtype)
@@ -49,6 +50,7 @@ def run_regenerate(args: RegenerateArgs) -> None:
             args.temperature,
             args.max_examples,
             turns=args.turns,
+            chat=thinking_kwargs(args.thinking),
         )
     print(f"wrote {out}")
 

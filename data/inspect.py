@@ -8,15 +8,15 @@ from rich.text import Text
 from transformers import AutoTokenizer
 
 from draftsmith import DraftsmithError
-from draftsmith.data.load import encode_record, located_records
+from draftsmith.data.load import encode_record, located_records, thinking_kwargs
 from draftsmith.target.load import resolve_target
 
 
 def encoded_example(
-    spec: str, split: str, index: int, target: str, cache_dir: str, max_length: int, malformed: str
+    spec: str, split: str, index: int, target: str, cache_dir: str, max_length: int, malformed: str, thinking: str = ""
 ) -> tuple[str, dict, str, object]:
     """(file:line, the encoded example, how its loss mask was found, the tokenizer) of record `index`
-    of `spec`: the target's tokenizer only, no weights."""
+    of `spec`, rendered with the recipe's thinking mode: the target's tokenizer only, no weights."""
     records = located_records(spec, split)
     if not 0 <= index < len(records):
         raise DraftsmithError(f"data inspect: --index {index}, but {spec} has {len(records)} records")
@@ -28,7 +28,7 @@ def encoded_example(
     try:
         if isinstance(row, DraftsmithError):
             raise row
-        ex, method = encode_record(tok, row, max_length, where)
+        ex, method = encode_record(tok, row, max_length, where, thinking_kwargs(thinking))
     except DraftsmithError as e:  # why, then what training does with such a record
         raise DraftsmithError(
             f"{e} (data.malformed={malformed}: training {'skips' if malformed == 'skip' else 'stops at'} such a record)"
@@ -42,13 +42,15 @@ def print_example(where: str, ex: dict, method: str, tok) -> None:
     for token, trained in zip(ex["input_ids"], ex["loss_mask"]):
         text.append(tok.decode([token]), style="bold green" if trained else "dim")
     trained = sum(ex["loss_mask"])
+    # Spans of trained tokens: one per answer (a multi-turn record trains every regenerated turn).
+    spans = sum(1 for i, m in enumerate(ex["loss_mask"]) if m and (i == 0 or not ex["loss_mask"][i - 1]))
     dropped = "; training drops it (no assistant tokens within data.max_length)" if trained <= 2 else ""
     console = Console()
     console.print(text, soft_wrap=True)
     console.print(
         Text.assemble(
             f"{where}: {len(ex['input_ids'])} tokens, ",
-            (f"{trained} trained", "bold green"),
+            (f"{trained} trained in {spans} span{'s' * (spans != 1)}", "bold green"),
             ", ",
             (f"{len(ex['input_ids']) - trained} masked", "dim"),
             f"; loss mask from {method}{dropped}",

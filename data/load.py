@@ -227,10 +227,22 @@ def chat_kwargs(row: dict, default: dict | None, where: str) -> dict:
     return {**(default or {}), **own}
 
 
-def thinking(chat: dict | None) -> str:
-    """How a report names the thinking switch: on, off, or the template's default."""
-    value = (chat or {}).get("enable_thinking")
-    return "template default" if value is None else "on" if value else "off"
+# YAML reads a bare on/off as true/false, which the config then holds as "true"/"false".
+THINKING = {"": "", "on": "on", "true": "on", "off": "off", "false": "off"}
+
+
+def thinking_switch(value: str, where: str = "thinking") -> str:
+    """A recipe's thinking switch (`data.thinking`, `eval.thinking`) as on, off or "" (the default)."""
+    if value not in THINKING:
+        raise DraftsmithError(f"{where}: expected on, off or empty (the template's default), got {value!r}")
+    return THINKING[value]
+
+
+def thinking_kwargs(switch: str, where: str = "thinking") -> dict:
+    """A thinking switch as chat template switches: on/off set `enable_thinking` (Qwen3-style
+    templates), empty leaves the template's default."""
+    switch = thinking_switch(switch, where)
+    return {"enable_thinking": switch == "on"} if switch else {}
 
 
 def _apply_template(tok, msgs: list[dict], where: str, chat: dict | None = None, **kwargs):

@@ -135,9 +135,10 @@ class Conversation:
             self.lines.append(([turn], at))
         self.tokens = prompt_ids + answer
 
-    def records(self, i: int) -> str:
+    def records(self, i: int, sampling: dict) -> str:
         """Its jsonl lines: one answer as `prompt_ids` + `completion_ids` (as ever), several as `turns`;
-        a conversation of several lines numbers them (`part` of `parts`), so a resume can tell a whole one."""
+        a conversation of several lines numbers them (`part` of `parts`), so a resume can tell a whole one.
+        `sampling`: the temperature and top-p the answers were drawn with, which the eval compares with its own."""
         out = []
         for k, (turns, last) in enumerate(self.lines):
             row = {"id": i, "messages": self.messages[: last + 1]} | (
@@ -146,6 +147,7 @@ class Conversation:
             row.update(turns[0] if len(turns) == 1 else {"turns": turns})
             if len(self.lines) > 1:
                 row.update(part=k, parts=len(self.lines))
+            row["sampling"] = sampling
             out.append(json.dumps(row) + "\n")
         return "".join(out)
 
@@ -186,6 +188,7 @@ def regenerate(
     split: str = "train",
     malformed: str = "skip",
     turns: str = "all",
+    chat: dict | None = None,
 ) -> Path:
     """Answer every conversation of `data` (`turns`: every assistant turn, or the last); write
     records (messages + exact ids) to `out` and, with `names`, the target features of every token to
@@ -196,7 +199,7 @@ def regenerate(
     would form (a batch keeps its conversations through all their turns), into its own partial file
     and feature shards; rank 0 merges them. Greedy answers are then identical to one process's (each
     batch is the same computation)."""
-    convs = _conversations(tok, data, max_examples, split, malformed, turns)
+    convs = _conversations(tok, data, max_examples, split, malformed, turns, chat)
     out, partial = Path(out), _partial(out, shard.rank)
     # Every rank's finished answers (each rank first cuts its own file to whole lines), read by all
     # before any rank appends again: all ranks then split the same remaining prompts.
@@ -230,7 +233,7 @@ def regenerate(
                     writer.write_shard({i: feats for i, (_, feats) in zip(live, results)})
                 for i, prompt, (answer, _) in zip(live, prompts, results):
                     convs[i].answered(tok, r, prompt, answer)
-            f.write("".join(convs[i].records(i) for i in batch))
+            f.write("".join(convs[i].records(i, {"temperature": temperature, "top_p": 1.0}) for i in batch))
             f.flush()
     shard.barrier()  # every rank's share is on disk
     if shard.main:
@@ -257,6 +260,19 @@ def _conversations(
         msgs = [{"role": "user", "content": c}] if isinstance(c, str) else c
         convs.append(Conversation(msgs, answer_points(msgs, turns), switches))
     return convs
+
+
+def sampling_of(data: str) -> dict | None:
+    """How the answers of regenerated records were drawn ({temperature, top_p}), from the first
+    record; None for other data (or records written before this was recorded)."""
+    path = Path(data)
+    if path.suffix != ".jsonl" or not path.is_file():
+        return None
+    with open(path) as f:
+        try:
+            return json.loads(f.readline()).get("sampling")
+        except json.JSONDecodeError:
+            return None
 
 
 def _without_answers(c: Conversation) -> list[dict]:
@@ -314,6 +330,7 @@ def regenerate_vllm(
     split: str = "train",
     malformed: str = "skip",
     turns: str = "all",
+    chat: dict | None = None,
 ) -> Path:
     """`--engine vllm`: the target (a folder or hub id vLLM resolves) answers every conversation of
     `data` (turn by turn, as `regenerate`) through a vLLM server (started here, or `server`),
@@ -323,7 +340,7 @@ def regenerate_vllm(
     conversation's id and the turn, so a resumed run asks each prompt exactly what it would have.
     `extra` passes to `vllm serve` unchanged (e.g. --tensor-parallel-size 8 --data-parallel-size 2)."""
 
-    convs = _conversations(tok, data, max_examples, split, malformed, turns)
+    convs = _conversations(tok, data, max_examples, split, malformed, turns, chat)
     out, partial = Path(out), _partial(out)
     done = _done_ids(partial)
     todo = [i for i in range(len(convs)) if i not in done]
@@ -355,7 +372,7 @@ def regenerate_vllm(
                     vllm_server.complete(engine, prompt, max_new_tokens, temperature, top_p, seed=sampled),
                 )
             with lock:  # whole conversations only, so an interruption never leaves half a record
-                f.write(c.records(i))
+                f.write(c.records(i, {"temperature": temperature, "top_p": top_p}))
                 f.flush()
 
         pool = ThreadPoolExecutor(max_workers=concurrency)
@@ -381,11 +398,13 @@ def regeneration_path(
     split: str = "train",
     malformed: str = "skip",
     turns: str = "all",
+    chat: dict | None = None,
 ) -> Path:
     """Where `cached_regeneration` keeps the answers for these arguments (one file per target, data,
     split, size, turns and engine settings)."""
     what = [fingerprint, data, max_examples, max_new_tokens, 2] + ([split] if split != "train" else [])
     what += ["all turns"] if turns == "all" else []  # (files from before multi-turn answered the last turn)
+    what += [chat] if chat else []  # another thinking mode: other prompts, other answers
     if vllm:  # another engine, maybe sampled: other answers, another cache entry
         what += ["vllm", vllm.get("temperature", 0.0), vllm.get("top_p", 1.0)]
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
@@ -407,6 +426,7 @@ def cached_regeneration(
     split: str = "train",
     malformed: str = "skip",
     turns: str = "all",
+    chat: dict | None = None,
 ) -> tuple[Path, Path | None]:
     """`data.regenerate=true` in a recipe: regenerate once per (target, data, size) and reuse it.
     With `names` (offline features), the same pass caches the features -> (records, feature folder).
@@ -416,7 +436,17 @@ def cached_regeneration(
     interrupted regeneration resumes from its `.partial` files on the next run. `shard`: this rank's
     share of a launch (every rank calls this; see `regenerate`)."""
     out = regeneration_path(
-        target, tok, data, fingerprint, cache_dir, max_examples, max_new_tokens, vllm=vllm, split=split, turns=turns
+        target,
+        tok,
+        data,
+        fingerprint,
+        cache_dir,
+        max_examples,
+        max_new_tokens,
+        vllm=vllm,
+        split=split,
+        turns=turns,
+        chat=chat,
     )
     key = out.stem
     if vllm:
@@ -430,6 +460,7 @@ def cached_regeneration(
                 split=split,
                 malformed=malformed,
                 turns=turns,
+                chat=chat,
                 **vllm,
             )
         return out, None
@@ -460,5 +491,6 @@ def cached_regeneration(
         split=split,
         malformed=malformed,
         turns=turns,
+        chat=chat,
     )
     return out, feats if feats and (feats / "index.json").is_file() else None

@@ -33,6 +33,7 @@ class EvalArgs:
     max_new_tokens: int = field(metadata=EVAL)
     num_prompts: int = field(metadata=EVAL)
     dtype: str = field(metadata={**EVAL, "type": dtype_arg})
+    thinking: str = field(metadata={**EVAL, "choices": ["", "on", "off"]})
     out: str | None = None
     """report folder (default for a trained drafter: RUN/evals/<holdout>-k<K>-<N>p, beside the training
     run's own RUN/eval/, which stays as training wrote it; for others: eval-<drafter>)"""

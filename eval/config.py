@@ -21,6 +21,9 @@ class EvalConfig:
     """Draft tree instead of a chain, e.g. `dynamic:depth=5,top_k=8,tokens=48` (see draftsmith/engine/drafts.py)."""
     dtype: str = "auto"
     """Target and drafter dtype in the eval stage: `auto`, `float32`/`no` or `bfloat16` (draftsmith/util/precision.py)."""
+    thinking: str = ""
+    """The chat template's thinking mode for the holdout prompts: `on`, `off` or empty (in a training run:
+    data.thinking, else the template's default). The report says which was used."""
     general_holdout: str = ""
     """With `init_from` (domain fine-tuning): a second holdout, e.g. the init's own domain. The eval then
     reports τ on both holdouts before (the init) and after fine-tuning, side by side."""

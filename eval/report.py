@@ -95,7 +95,7 @@ def _markdown(r: dict) -> str:
             "",
             f"Holdout `{r['holdout']}`, {r['num_prompts']} prompts, {r['new_tokens']} new tokens, "
             f"temperature {r['temperature']}, batch size {r.get('batch_size', 1)}, draft: {_shape(r)}.",
-            f"Measured on {_where(r)}.",
+            f"Measured on {_where(r)}; chat template thinking mode: {r.get('thinking', 'template default')}.",
             "",
             *(
                 [

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from draftsmith import DraftsmithError
-from draftsmith.data.load import encode_prompt, load_prompts
+from draftsmith.data.load import encode_prompt, load_prompts, thinking_kwargs
 from draftsmith.engine.batched import batch_curve
 from draftsmith.engine.cache import crop_cache
 from draftsmith.engine.drafts import Draft, parse_tree
@@ -95,7 +95,9 @@ def evaluate(
         k = 0
     elif spec is not None:
         k = spec.depth
-    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, cfg.num_prompts, split)]
+    prompts = [
+        encode_prompt(tok, p, thinking_kwargs(cfg.thinking)) for p in load_prompts(holdout, cfg.num_prompts, split)
+    ]
     eos = eos_ids(target, tok)
     device = next(target.parameters()).device
 
@@ -167,6 +169,7 @@ def evaluate(
         "lossless_mismatches": mismatches if temperature == 0 else None,
         "mismatch_logit_gaps": gaps,
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "thinking": cfg.thinking or "template default",  # the prompts' chat template thinking mode
         # Where it was measured (device, CPU model or GPU name, native bf16, threads): a speedup
         # read later means nothing without it.
         **hardware(device),
@@ -296,7 +299,9 @@ def target_baseline(
 ) -> list[tuple[list[int], float]]:
     """Target-only decoding of the holdout prompts: (output, seconds) per prompt, seeded as `evaluate`
     seeds them, so a shared baseline is the one `evaluate` would have measured."""
-    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, cfg.num_prompts, split)]
+    prompts = [
+        encode_prompt(tok, p, thinking_kwargs(cfg.thinking)) for p in load_prompts(holdout, cfg.num_prompts, split)
+    ]
     eos, device = eos_ids(target, tok), next(target.parameters()).device
     with packed_linears(target, enabled=kernels):
         target_decode(target, prompts[0][:8], cfg.max_new_tokens, eos, None)  # warm-up, as in evaluate
@@ -340,7 +345,9 @@ def backbone_drift(original, trained, tok, holdout: str, proposer, cfg: EvalConf
       argmax is the original's token (teacher-forced, so one early change does not count twice);
     - original_tau: τ of the same heads drafting for the *original* target (what they would give if
       the backbone were served unchanged)."""
-    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, cfg.num_prompts, split)]
+    prompts = [
+        encode_prompt(tok, p, thinking_kwargs(cfg.thinking)) for p in load_prompts(holdout, cfg.num_prompts, split)
+    ]
     eos, device = eos_ids(original, tok), next(original.parameters()).device
     k, max_new_tokens = cfg.k, cfg.max_new_tokens
     spec, stats = (parse_tree(cfg.tree) if cfg.tree else None), Stats(k=k)

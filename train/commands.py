@@ -58,5 +58,14 @@ def run_inspect(args: InspectArgs) -> None:
     cfg = load_config(args.recipe, args.overrides)
     data = cfg.data
     print_example(
-        *encoded_example(data.train, data.split, args.index, cfg.target, cfg.cache_dir, data.max_length, data.malformed)
+        *encoded_example(
+            data.train,
+            data.split,
+            args.index,
+            cfg.target,
+            cfg.cache_dir,
+            data.max_length,
+            data.malformed,
+            data.thinking,
+        )
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
-from draftsmith.data.load import TURNS
+from draftsmith.data.load import TURNS, thinking_switch
 from draftsmith.engine.drafts import parse_tree
 from draftsmith.eval.config import EvalConfig
 from draftsmith.models.registry import DEFAULT_DRAFTER, drafter_module
@@ -32,6 +32,11 @@ class DataConfig:
     file:line) or `error` (stop at the first)."""
     regenerate: bool = False
     """Replace responses with the target's own answers before training (self-distillation)."""
+    thinking: str = ""
+    """The chat template's thinking mode while the target answers and training renders chats: `on`,
+    `off` (Qwen3-style `enable_thinking`), or empty for the template's default. A record's own
+    `enable_thinking` (or `chat_template_kwargs`) wins. The eval stage uses the same unless
+    `eval.thinking` says otherwise."""
     turns: str = "all"
     """Which assistant turns of a conversation the target answers when regenerating: `all` (turn by
     turn, each prompt holding its own earlier answers; every answer trained) or `last`."""
@@ -63,6 +68,7 @@ class DataConfig:
     def __post_init__(self):
         if self.malformed not in ("skip", "error"):
             raise DraftsmithError(f"data.malformed: expected skip or error, got {self.malformed!r}")
+        self.thinking = thinking_switch(self.thinking, "data.thinking")
         if self.turns not in TURNS:
             raise DraftsmithError(f"data.turns: expected all or last, got {self.turns!r}")
         if self.regenerate_engine not in ("hf", "vllm"):
@@ -176,6 +182,8 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
     # Validate now so a typo fails before any model is loaded; keep the dict form in Config.
     dcfg = from_dict(module.DrafterConfig, drafter, f"{where}: drafter")
     cfg.drafter = {"type": module.NAME, **drafter}
+    # The eval renders its prompts as training did, unless told otherwise.
+    cfg.eval.thinking = thinking_switch(cfg.eval.thinking, f"{where}: eval.thinking") or cfg.data.thinking
     _validate(cfg, where)
     limit = module.max_draft_depth(dcfg)
     depth = parse_tree(cfg.eval.tree, f"{where}: eval.tree").depth if cfg.eval.tree else cfg.eval.k

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import resource
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -35,7 +36,8 @@ from transformers import (
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import build_dataset, collate, epoch_batches
 from draftsmith.data.features import FeatureCache, write_cache
-from draftsmith.data.regenerate import cached_regeneration, regeneration_path
+from draftsmith.data.load import thinking_kwargs
+from draftsmith.data.regenerate import cached_regeneration, regeneration_path, sampling_of
 from draftsmith.data.sharding import Shard
 
 # Imported with the loop, not at the eval stage: the eval runs the code the training run started with.
@@ -445,6 +447,7 @@ def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], sha
     from a vLLM server are fetched by rank 0 alone, while the others wait for the file, not in a
     collective. Every rank then tokenizes the same records itself (in memory, seconds)."""
     train_data, cache = cfg.data.train, cfg.data.offline_features
+    chat = thinking_kwargs(cfg.data.thinking)
     if cfg.data.regenerate:
         vllm = cfg.data.vllm_options(cfg.target, cfg.target_dtype, cfg.cache_dir)
         args = (
@@ -458,17 +461,27 @@ def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], sha
             cfg.data.regenerate_batch_size,
             names if cache == "auto" else (),
         )
-        which = dict(split=cfg.data.split, malformed=cfg.data.malformed, turns=cfg.data.turns)
+        which = dict(split=cfg.data.split, malformed=cfg.data.malformed, turns=cfg.data.turns, chat=chat)
         if vllm and not shard.main:
             out, regen_cache = regeneration_path(*args, vllm=vllm, **which), None
             shard.wait_for(out)
         else:
             out, regen_cache = cached_regeneration(*args, vllm=vllm, shard=Shard() if vllm else shard, **which)
         train_data, cache = str(out), regen_cache or cache
+    drawn = sampling_of(
+        train_data
+    )  # SpecForge#465: answers drawn unlike the eval's decoding train another distribution
+    if shard.main and drawn and (drawn["temperature"], drawn["top_p"]) != (cfg.eval.temperature, cfg.eval.top_p):
+        print(
+            f"warning: {train_data}: the target's answers were drawn at temperature {drawn['temperature']}, "
+            f"top-p {drawn['top_p']}, but the eval decodes at eval.temperature {cfg.eval.temperature}, "
+            f"eval.top_p {cfg.eval.top_p}: the drafter learns another distribution than the one it is measured on",
+            file=sys.stderr,
+        )
     # Regenerated records are one file: its split is the only one.
     split = "train" if cfg.data.regenerate else cfg.data.split
     ds = build_dataset(
-        train_data, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc, split, cfg.data.malformed
+        train_data, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc, split, cfg.data.malformed, chat
     )
     if not names:
         return ds, None
@@ -477,6 +490,7 @@ def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], sha
         key = json.dumps(
             [fp, train_data, cfg.data.max_length, cfg.data.max_examples, list(names), dtype]
             + ([split] if split != "train" else [])
+            + ([chat] if chat else [])  # another rendering of the chats: other tokens
         )
         cache = cache_root(cfg.cache_dir) / "features" / hashlib.sha256(key.encode()).hexdigest()[:16]
         if not (cache / "index.json").is_file():

@@ -149,3 +149,56 @@ def test_a_turns_record_is_one_sequence_and_bad_ids_are_one_line(tmp_path):
     assert ex["input_ids"] == [1, 2, 3, 4, 5, 6] and ex["loss_mask"] == [0, 0, 1, 0, 1, 1]
     with pytest.raises(Exception, match=r"f.jsonl:1: 'completion_ids' must be a list of token ids in \[0, 10\)"):
         tokenized_example({"turns": [{"prompt_ids": [1], "completion_ids": [12]}]}, 10, 100, "f.jsonl:1")
+
+
+# Qwen3's switch: with enable_thinking false the generation prompt opens an empty think block (and,
+# as Qwen3's, the last assistant turn of a whole conversation renders one).
+THINKING = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.mark.fp32_exact
+def test_thinking_mode_renders_the_prompts_and_is_recorded(tiny_target, tmp_path):
+    from draftsmith.data.load import thinking_kwargs
+
+    target, tok = tiny_target
+    ensure_pad(tok)
+    tok.chat_template = THINKING
+    chat = [{"role": "user", "content": "abc"}]
+    on, off = encode_prompt(tok, chat, thinking_kwargs("on")), encode_prompt(tok, chat, thinking_kwargs("off"))
+    assert encode_prompt(tok, chat) == on and off[: len(on)] == on and tok.decode(off[len(on) :]).replace(" ", "") == (
+        "<think>\n\n</think>\n\n".replace(" ", "")
+    )
+    data = tmp_path / "chats.jsonl"
+    rows = [{"messages": chat}, {"messages": chat, "enable_thinking": True}]  # the record's own switch wins
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = regenerate(target, tok, str(data), tmp_path / "regen.jsonl", 4, 6, chat=thinking_kwargs("off"))
+    got = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [r["prompt_ids"] for r in got] == [off, on]
+    assert [r["chat_template_kwargs"] for r in got] == [{"enable_thinking": False}, {"enable_thinking": True}]
+    assert got[0]["sampling"] == {"temperature": 0.0, "top_p": 1.0}  # what the eval compares its decoding with
+    # Training on the dataset's own answers renders them with the same switches: the prompt (the
+    # empty think block included, with thinking off) is masked, the answer trained.
+    answered = [{**r, "messages": chat + [{"role": "assistant", "content": "xyz"}]} for r in rows]
+    data.write_text("".join(json.dumps(r) + "\n" for r in answered))
+    ds = build_dataset(str(data), tok, 100, chat=thinking_kwargs("off"))
+    for ex, prompt in zip(ds, [off, on]):
+        assert ex["input_ids"][: len(prompt)] == prompt and ex["loss_mask"].index(1) == len(prompt)
+
+
+def test_a_bad_thinking_switch_is_one_line(tmp_path):
+    from draftsmith import DraftsmithError
+    from draftsmith.data.load import chat_kwargs
+    from draftsmith.train.config import load_config
+
+    assert load_config(None, ["data.thinking=off"]).eval.thinking == "off"  # the eval renders as training did
+    assert load_config(None, ["data.thinking=off", "eval.thinking=on"]).eval.thinking == "on"
+    with pytest.raises(DraftsmithError, match=r"data.thinking: expected on, off or empty .*, got 'maybe'"):
+        load_config(None, ["data.thinking=maybe"])
+    with pytest.raises(DraftsmithError, match=r"f.jsonl:3: 'enable_thinking' must be true or false, got 'yes'"):
+        chat_kwargs({"enable_thinking": "yes"}, {}, "f.jsonl:3")
