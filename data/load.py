@@ -137,6 +137,7 @@ def _brief(value) -> str:
 
 # OpenAI chat roles (`developer` is the newer name of `system`; `tool` carries a tool call's result).
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
 def _sharegpt_turn(m, where: str) -> dict:
@@ -148,27 +149,36 @@ def _sharegpt_turn(m, where: str) -> dict:
     return {"role": role, "content": m["value"]}
 
 
+def _message(m) -> dict | None:
+    """One OpenAI-style message with what chat templates read of it, or None if it is malformed: a
+    string role and content, except an assistant turn that calls tools (content may then be empty)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        return None
+    calls = m.get("tool_calls")
+    if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list)):
+        return None
+    content = m.get("content")
+    if not isinstance(content, str) and not (calls and content is None):
+        return None
+    # A tool result's call id and name, and the calls themselves, are what templates render them with.
+    return {"role": m["role"], "content": content or ""} | {k: m[k] for k in TOOL_KEYS if m.get(k) is not None}
+
+
 def to_messages(row: dict, where: str) -> list[dict] | str:
     """Normalise one record to OpenAI-style messages, or plain text for `text` records."""
     # A file mixing shapes loads (json/parquet, datasets) with every column in every row, None where absent.
     row = {k: v for k, v in row.items() if v is not None}
     if "messages" in row:
         msgs = row["messages"]
-        if (
-            not msgs
-            or not isinstance(msgs, list)
-            or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs
-            )
-        ):
+        out = [_message(m) for m in msgs] if isinstance(msgs, list) else []
+        if not out or None in out:
             raise DraftsmithError(
                 f"{where}: 'messages' must be a non-empty list of {{role, content}} strings, got {_brief(msgs)}"
             )
-        bad = next((m["role"] for m in msgs if m["role"] not in CHAT_ROLES), None)
+        bad = next((m["role"] for m in out if m["role"] not in CHAT_ROLES), None)
         if bad is not None:  # a template would render any role it is given; the target was never trained on it
             raise DraftsmithError(f"{where}: 'messages' role must be one of {', '.join(CHAT_ROLES)}, got {_brief(bad)}")
-        return [{"role": m["role"], "content": m["content"]} for m in msgs]
+        return out
     if "conversations" in row:
         turns = row["conversations"]
         if not turns or not isinstance(turns, list):
@@ -212,12 +222,17 @@ def prompt_messages(msgs: list[dict]) -> list[dict]:
 
 
 def chat_kwargs(row: dict, default: dict | None, where: str) -> dict:
-    """The chat template's switches for one record: the recipe's `data.chat_template_kwargs` (e.g.
-    {enable_thinking: false} for Qwen3's thinking mode), then the record's own: `chat_template_kwargs`
-    (as vLLM and SGLang requests carry them) or a bare `enable_thinking`."""
+    """The chat template's variables for one record: the recipe's (data.thinking: {enable_thinking:
+    false} for Qwen3's thinking mode off), then the record's own: `chat_template_kwargs` (as vLLM and
+    SGLang requests carry them), a bare `enable_thinking`, and the `tools` a tool-calling record offers."""
     own = row.get("chat_template_kwargs") or {}
     if not isinstance(own, dict):
         raise DraftsmithError(f"{where}: 'chat_template_kwargs' must be an object, got {_brief(own)}")
+    tools = row.get("tools")
+    if tools is not None:  # the functions a tool-calling record offers: the template renders them
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise DraftsmithError(f"{where}: 'tools' must be a list of function schemas, got {_brief(tools)}")
+        own = {**own, "tools": tools}
     if row.get("enable_thinking") is not None:
         if not isinstance(row["enable_thinking"], bool):
             raise DraftsmithError(

@@ -171,8 +171,10 @@ def test_thinking_mode_renders_the_prompts_and_is_recorded(tiny_target, tmp_path
     tok.chat_template = THINKING
     chat = [{"role": "user", "content": "abc"}]
     on, off = encode_prompt(tok, chat, thinking_kwargs("on")), encode_prompt(tok, chat, thinking_kwargs("off"))
-    assert encode_prompt(tok, chat) == on and off[: len(on)] == on and tok.decode(off[len(on) :]).replace(" ", "") == (
-        "<think>\n\n</think>\n\n".replace(" ", "")
+    assert (
+        encode_prompt(tok, chat) == on
+        and off[: len(on)] == on
+        and tok.decode(off[len(on) :]).replace(" ", "") == ("<think>\n\n</think>\n\n".replace(" ", ""))
     )
     data = tmp_path / "chats.jsonl"
     rows = [{"messages": chat}, {"messages": chat, "enable_thinking": True}]  # the record's own switch wins
@@ -202,3 +204,46 @@ def test_a_bad_thinking_switch_is_one_line(tmp_path):
         load_config(None, ["data.thinking=maybe"])
     with pytest.raises(DraftsmithError, match=r"f.jsonl:3: 'enable_thinking' must be true or false, got 'yes'"):
         chat_kwargs({"enable_thinking": "yes"}, {}, "f.jsonl:3")
+
+
+# Tool use as templates render it: the offered functions in a system header, an assistant turn's
+# calls as <tool_call> blocks, a tool's result as a turn of its own.
+TOOLS = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }};{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>{{ c.function.name }}</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_RECORD = {
+    "tools": [{"type": "function", "function": {"name": "add", "parameters": {}}}],
+    "messages": [
+        {"role": "user", "content": "abc"},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "assistant", "content": "it is 42"},
+    ],
+}
+
+
+def test_tool_calls_are_trained_and_tool_results_are_kept_verbatim(tiny_target, tmp_path):
+    from tokenizers import decoders
+
+    target, tok = tiny_target
+    ensure_pad(tok)
+    tok.backend_tokenizer.decoder = decoders.Fuse()
+    tok.chat_template = TOOLS
+    data = tmp_path / "tools.jsonl"
+    data.write_text(json.dumps(TOOL_RECORD) + "\n")
+    # The dataset's own turns: the call and the final answer are trained, the tool's result is not.
+    ex = build_dataset(str(data), tok, 1000)[0]
+    text = lambda ids: tok.decode(ids)  # noqa: E731
+    trained = text([t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m])
+    assert text(ex["input_ids"]).startswith("<|im_start|>system\nadd;<|im_end|>")  # the offered tools, rendered
+    assert trained == "<tool_call>add</tool_call><|im_end|>\nit is 42<|im_end|>\n"
+    # Regenerated: both assistant turns are the target's; the tool's result stays as it was.
+    out = regenerate(target, tok, str(data), tmp_path / "regen.jsonl", 4, 6)
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert rows[0]["messages"][2] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+    assert rows[0]["chat_template_kwargs"] == {"tools": TOOL_RECORD["tools"]}
+    pairs = [p for r in rows for p in _pairs([r])[0]]
+    assert len(pairs) == 2 and "<|im_start|>tool\n42<|im_end|>" in text(pairs[1][0])
