@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 
 import datasets
 import torch
@@ -29,12 +30,14 @@ def build_dataset(
     split: str = "train",
     malformed: str = "skip",
     chat: dict | None = None,
+    stats: dict | None = None,
 ) -> datasets.Dataset:
     """Records -> datasets.Dataset with input_ids, loss_mask, length, idx (the record's number).
     `split`: of a dataset folder or hub dataset (read_records). Malformed records are skipped with
     one summary line (malformed="skip"; all of them malformed is an error) or stop the build at the
     first ("error"). Examples with no trainable token (e.g. a prompt with no answer) are dropped.
-    `chat`: the chat template's switches (data.thinking), under each record's own (`chat_kwargs`)."""
+    `chat`: the chat template's switches (data.thinking), under each record's own (`chat_kwargs`).
+    The step's accounting is printed in one line and, with `stats`, filled into that dict (`_filter`)."""
     refused = Malformed(spec, malformed)
     records = located_records(spec, split)[: max_examples or None]
     first = next((row for _, row in records if isinstance(row, dict)), {})
@@ -42,7 +45,8 @@ def build_dataset(
         exact = lambda row, where: tokenized_example(row, len(tok), max_length, where)  # noqa: E731
         examples = [(n, refused.keep(exact, row, where)) for n, (where, row) in enumerate(records)]
         refused.report(len(records))
-        return _filter(datasets.Dataset.from_list([{**ex, "idx": n} for n, ex in examples if ex is not None]), spec)
+        kept = datasets.Dataset.from_list([{**ex, "idx": n} for n, ex in examples if ex is not None])
+        return _filter(kept, spec, records, refused, stats)
     convert = lambda row, where: (to_messages(row, where), chat_kwargs(row, chat, where))  # noqa: E731
     items = [(n, where, refused.keep(convert, row, where)) for n, (where, row) in enumerate(records)]
     items = [(n, where, *item) for n, where, item in items if item is not None]
@@ -68,7 +72,7 @@ def build_dataset(
         try:
             out, reason = tokenize_example(tok, item, max_length, ex["where"], json.loads(ex["chat"])), ""
         except DraftsmithError as e:
-            out, reason = {"input_ids": [], "loss_mask": []}, str(e)
+            out, reason = {"input_ids": [], "loss_mask": [], "cut": 0}, str(e)
         return {**out, "length": len(out["input_ids"]), "refused": reason}
 
     ds = ds.map(
@@ -78,16 +82,60 @@ def build_dataset(
         if reason:
             refused.refuse(reason)
     refused.report(len(records))
-    return _filter(ds.remove_columns("refused"), spec)  # refused records have no trainable token
+    ds = ds.filter(lambda ex: not ex["refused"]).remove_columns("refused")  # counted as malformed above
+    return _filter(ds, spec, records, refused, stats)
 
 
-def _filter(ds: datasets.Dataset, spec: str) -> datasets.Dataset:
-    ds = ds.filter(lambda ex: sum(ex["loss_mask"]) > 2)
+def _spans(mask: list[int]) -> int:
+    """Runs of trained tokens: one per answer."""
+    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+
+
+def _filter(ds: datasets.Dataset, spec: str, records: list, refused: Malformed, stats: dict | None) -> datasets.Dataset:
+    """Drop the examples with no trainable token, then account for the data step: one line (printed)
+    and `stats` (recorded by the caller): records in, examples out, answers, tokens and those that
+    carry loss, and every record dropped, by reason, the first ones with file:line."""
+    ds = ds.map(lambda ex: {"trained": sum(ex["loss_mask"]), "spans": _spans(ex["loss_mask"])}, desc="count")
+    empty = [records[i][0] for i, t in zip(ds["idx"], ds["trained"]) if t <= 2]
+    ds = ds.filter(lambda ex: ex["trained"] > 2)
+    counts = {
+        "records": len(records),
+        "examples": len(ds),
+        "answers": sum(ds["spans"]),
+        "tokens": sum(ds["length"]),
+        "loss_tokens": sum(ds["trained"]),
+        "cut_at_max_length": sum(c > 0 for c in ds["cut"]),
+        "tokens_cut": sum(ds["cut"]),
+        "dropped": {
+            "malformed": {"count": len(refused.reasons), "first": refused.reasons[:3]},
+            "no_trained_token": {"count": len(empty), "first": empty[:3]},
+        },
+    }
+    if stats is not None:
+        stats.update(counts)
+    print(account_line(spec, counts), file=sys.stderr)
     if len(ds) == 0:
         raise DraftsmithError(
             f"{spec}: no examples left after filtering (need assistant tokens within data.max_length)"
         )
-    return ds
+    return ds.remove_columns(["trained", "spans", "cut"])
+
+
+def account_line(spec: str, c: dict) -> str:
+    """`data.jsonl: 48 records -> 46 examples (52 answers), 9,120 tokens, 3,004 with loss; dropped ...`:
+    the data step's accounting (`_filter`) in one line."""
+    line = (
+        f"{spec}: {c['records']} records -> {c['examples']} examples ({c['answers']} answers), "
+        f"{c['tokens']:,} tokens, {c['loss_tokens']:,} with loss"
+    )
+    if c["cut_at_max_length"]:
+        line += f"; {c['cut_at_max_length']} cut at data.max_length ({c['tokens_cut']:,} tokens)"
+    bad, empty = c["dropped"]["malformed"], c["dropped"]["no_trained_token"]
+    dropped = [f"{bad['count']} malformed"] if bad["count"] else []
+    if empty["count"]:
+        first = ", ".join(empty["first"]) + (", ..." if empty["count"] > len(empty["first"]) else "")
+        dropped.append(f"{empty['count']} with no trained token within data.max_length ({first})")
+    return line + (f"; dropped {' and '.join(dropped)}" if dropped else "; nothing dropped")
 
 
 def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, group_by_length: bool) -> list[list[int]]:

@@ -300,12 +300,17 @@ def tokenize_example(tok, item: list[dict] | str, max_length: int, where: str, c
     `chat`: the template's switches (`chat_kwargs`).
     """
     if isinstance(item, str):
-        ids = tok(item, add_special_tokens=True)["input_ids"][:max_length]
-        return {"input_ids": ids, "loss_mask": [1] * len(ids)}
+        ids = tok(item, add_special_tokens=True)["input_ids"]
+        return {"input_ids": ids[:max_length], "loss_mask": [1] * len(ids[:max_length]), "cut": _cut(ids, max_length)}
     require_chat_template(tok, where)
     if marks_generations(tok):
         out = _apply_template(tok, item, where, chat, return_dict=True, return_assistant_tokens_mask=True)
-        return {"input_ids": out["input_ids"][:max_length], "loss_mask": out["assistant_masks"][:max_length]}
+        ids = out["input_ids"]
+        return {
+            "input_ids": ids[:max_length],
+            "loss_mask": out["assistant_masks"][:max_length],
+            "cut": _cut(ids, max_length),
+        }
     ids = _template_ids(tok, item, False, where, chat)
     mask = [0] * len(ids)
     for i, m in enumerate(item):
@@ -325,7 +330,12 @@ def tokenize_example(tok, item: list[dict] | str, max_length: int, where: str, c
                 "{% generation %} markers avoids this"
             )
         mask[len(before) : len(through)] = [1] * (len(through) - len(before))
-    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
+    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length], "cut": _cut(ids, max_length)}
+
+
+def _cut(ids: list[int], max_length: int) -> int:
+    """How many tokens data.max_length cuts off an example (counted in the data accounting)."""
+    return max(0, len(ids) - max_length)
 
 
 def _token_ids(value, key: str, vocab: int, where: str) -> list[int]:
@@ -353,12 +363,13 @@ def tokenized_example(row: dict, vocab: int, max_length: int, where: str) -> dic
         "input_ids": input_ids[:max_length],
         "loss_mask": mask[:max_length],
         "length": min(len(input_ids), max_length),
+        "cut": _cut(input_ids, max_length),
     }
 
 
 def encode_record(tok, row: dict, max_length: int, where: str, chat: dict | None = None) -> tuple[dict, str]:
     """One record as training tokenizes it, and what its loss mask comes from (`data inspect`);
-    `chat`: the recipe's `data.chat_template_kwargs`."""
+    `chat`: the chat template's switches from the recipe (data.thinking)."""
     if "completion_ids" in row or "turns" in row:
         spans = len(row.get("turns", [row]))
         return tokenized_example(row, len(tok), max_length, where), f"the record's completion_ids ({spans} answers)"

@@ -262,6 +262,18 @@ def _conversations(
     return convs
 
 
+def regeneration_counts(path: Path) -> dict:
+    """What a regeneration wrote: conversations, the target's answers and their tokens, record lines."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    answers = [t["completion_ids"] for r in rows for t in r.get("turns", [r])]
+    return {
+        "conversations": len({r["id"] for r in rows}),
+        "answers": len(answers),
+        "answer_tokens": sum(map(len, answers)),
+        "lines": len(rows),
+    }
+
+
 def sampling_of(data: str) -> dict | None:
     """How the answers of regenerated records were drawn ({temperature, top_p}), from the first
     record; None for other data (or records written before this was recorded)."""

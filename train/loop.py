@@ -37,7 +37,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data.batching import build_dataset, collate, epoch_batches
 from draftsmith.data.features import FeatureCache, write_cache
 from draftsmith.data.load import thinking_kwargs
-from draftsmith.data.regenerate import cached_regeneration, regeneration_path, sampling_of
+from draftsmith.data.regenerate import cached_regeneration, regeneration_counts, regeneration_path, sampling_of
 from draftsmith.data.sharding import Shard
 
 # Imported with the loop, not at the eval stage: the eval runs the code the training run started with.
@@ -480,9 +480,29 @@ def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], sha
         )
     # Regenerated records are one file: its split is the only one.
     split = "train" if cfg.data.regenerate else cfg.data.split
+    stats = {}  # the data step's accounting, recorded in RUN/data.json
+    if cfg.data.regenerate:
+        stats["regenerated"] = regeneration_counts(Path(train_data))
+        if shard.main:
+            c = stats["regenerated"]
+            print(
+                f"regenerated: {c['conversations']} conversations, {c['answers']} answers of the target "
+                f"({c['answer_tokens']:,} tokens) in {c['lines']} records ({train_data})",
+                file=sys.stderr,
+            )
     ds = build_dataset(
-        train_data, tok, cfg.data.max_length, cfg.data.max_examples, cfg.data.num_proc, split, cfg.data.malformed, chat
+        train_data,
+        tok,
+        cfg.data.max_length,
+        cfg.data.max_examples,
+        cfg.data.num_proc,
+        split,
+        cfg.data.malformed,
+        chat,
+        stats.setdefault("dataset", {}),
     )
+    if shard.main:
+        (cfg.run_dir / "data.json").write_text(json.dumps(stats, indent=1))
     if not names:
         return ds, None
     if cache == "auto":  # computed once per (target, data, length), reused by every epoch and run

@@ -247,3 +247,49 @@ def test_tool_calls_are_trained_and_tool_results_are_kept_verbatim(tiny_target, 
     assert rows[0]["chat_template_kwargs"] == {"tools": TOOL_RECORD["tools"]}
     pairs = [p for r in rows for p in _pairs([r])[0]]
     assert len(pairs) == 2 and "<|im_start|>tool\n42<|im_end|>" in text(pairs[1][0])
+
+
+def test_every_data_step_accounts_for_what_went_in_and_what_was_dropped(tiny_target, tiny_target_dir, tmp_path, capsys):
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+    from tests.train.test_train import _overrides
+
+    target, tok = tiny_target
+    ensure_pad(tok)
+    data = tmp_path / "mixed.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]},
+        {"messages": [{"role": "user", "content": "a question with no answer"}]},  # nothing to train
+        {"messages": "not a list"},  # malformed
+        {"messages": [{"role": "user", "content": "long"}, {"role": "assistant", "content": "x" * 200}]},  # cut
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stats = {}
+    build_dataset(str(data), tok, 64, stats=stats)
+    assert {k: stats[k] for k in ("records", "examples", "answers", "cut_at_max_length")} == {
+        "records": 4,
+        "examples": 2,
+        "answers": 2,
+        "cut_at_max_length": 1,
+    }
+    assert stats["dropped"]["malformed"]["count"] == 1 and f"{data}:3" in stats["dropped"]["malformed"]["first"][0]
+    assert stats["dropped"]["no_trained_token"] == {"count": 1, "first": [f"{data}:2"]}
+    assert 0 < stats["loss_tokens"] < stats["tokens"] and stats["tokens_cut"] > 0
+    line = [l for l in capsys.readouterr().err.splitlines() if l.startswith(f"{data}: 4 records")][0]
+    assert "-> 2 examples (2 answers)" in line and f"1 with no trained token within data.max_length ({data}:2)" in line
+    # A training run records both steps, regeneration's included, in RUN/data.json.
+    chats = _write(tmp_path / "chats.jsonl")
+    run = train(
+        load_config(
+            None,
+            _overrides(
+                tiny_target_dir,
+                chats,
+                tmp_path,
+                **{"optim.max_steps": 1, "data.regenerate": True, "data.regenerate_max_new_tokens": 8},
+            ),
+        )
+    )
+    recorded = json.loads((run / "data.json").read_text())
+    assert recorded["regenerated"]["conversations"] == 3 and recorded["regenerated"]["answers"] == 6
+    assert recorded["dataset"]["records"] == recorded["regenerated"]["lines"]
