@@ -177,8 +177,11 @@ def test_malformed_records_are_skipped_with_a_count_or_stop_the_build(tmp_path, 
     )
     ds = build_dataset(path, make_tokenizer(), 128)
     assert sorted(ds["idx"]) == [0, 1, 3, 7]  # record numbers, kept through the skips
-    lines = [line for line in capsys.readouterr().err.splitlines() if "malformed" in line]  # not progress bars
+    err = capsys.readouterr().err.splitlines()
+    lines = [line for line in err if "skipped" in line]  # not progress bars
     assert len(lines) == 1, lines
+    # ... and the step's accounting, which counts them among what was dropped (tests/data/test_multiturn.py)
+    assert any(line.startswith(f"{path}: 8 records -> 4 examples") and "dropped 4 malformed" in line for line in err)
     assert lines[0].startswith(f"{path}: skipped 4 of 8 malformed records ({path}:3: malformed JSON line")
     assert f"; {path}:5: ShareGPT turn needs 'from' and 'value' strings, got {{'from': 'gpt'}}; " in lines[0]
     assert f"; {path}:6: 'messages' must be a non-empty list of {{role, content}} strings, got 'hello')" in lines[0]

@@ -37,7 +37,7 @@ def test_inspect_prints_the_tokens_and_which_are_trained(tmp_path, capsys, monke
     tok = make_tokenizer(GENERATION_MARKED)
     total = len(tok.apply_chat_template(CHAT, tokenize=True, return_dict=False))
     assert plain.strip().splitlines()[-1] == (
-        f"{data}:1: {total} tokens, 10 trained, {total - 10} masked; loss mask from generation markers"
+        f"{data}:1: {total} tokens, 10 trained in 2 spans, {total - 10} masked; loss mask from generation markers"
     )
     # Every token of the rendering is styled: the trained ones bold green, the others dim.
     body = [line for line in out.splitlines()[:-1] if "\x1b[" in line]
