@@ -49,7 +49,7 @@ from transformers.models.llama.modeling_llama import (
 from draftsmith import DraftsmithError
 from draftsmith.engine.drafts import Draft
 from draftsmith.engine.proposers import Proposer
-from draftsmith.models.eagle import layer_config
+from draftsmith.models.eagle import dense_intermediate_size, layer_config
 from draftsmith.models.eagle3 import aux_features, speculators_load_check
 from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
@@ -59,6 +59,7 @@ from draftsmith.models.training import (
     mask_token,
     target_label_rows,
 )
+from draftsmith.target.features import draft_embeddings
 from draftsmith.target.load import served_name
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, decay_position_weights, dpace_position_weights
 
@@ -352,7 +353,7 @@ def forward_inputs(drafter, target, feats: dict, cfg, blocks: Blocks) -> tuple:
     ctx_pos = torch.arange(t, device=blocks.pos.device)[None].expand(bsz, -1)
     dtype = core.fc.weight.dtype
     aux = aux_features(feats, feature_names(cfg, target.config)).to(dtype)
-    return aux, ctx_pos, target.get_input_embeddings()(blocks.block_ids).to(dtype), blocks.pos, blocks.mask
+    return aux, ctx_pos, draft_embeddings(target)(blocks.block_ids).to(dtype), blocks.pos, blocks.mask
 
 
 def slot_index(blocks: Blocks, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,7 +425,7 @@ class BlockProposer(Proposer):
     def __init__(self, drafter, target, cfg: DrafterConfig, around=plain_sublayers):
         self.drafter, self.cfg, self.around = drafter.eval(), cfg, around  # around: as block_pass's
         self.feature_names = feature_names(cfg, target.config)
-        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.embed, self.lm_head = draft_embeddings(target), target.get_output_embeddings()
         # block outputs [t, H] -> logits [t, V]; an attribute, as FeatureProposer's, so `export --verify`
         # can record every logits row the drafter computed (draftsmith/ship/publish.py Recorder).
         self.logits = lambda out: self.lm_head(out.to(self.lm_head.weight.dtype))
@@ -623,7 +624,7 @@ def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, e
     SDPA materialises, and the full-vocabulary logits of B-1 slots per anchor (fp32: logits,
     softmax and its gradient), or the teacher's 4096-row chunk if larger."""
     n_q = batch * min(cfg.num_anchors, length) * cfg.block_size
-    layer = layer_activation_bytes(tc.hidden_size, tc.intermediate_size, elem)
+    layer = layer_activation_bytes(tc.hidden_size, dense_intermediate_size(tc), elem)
     body = n_q * cfg.num_layers * layer + batch * length * cfg.num_layers * 2 * tc.hidden_size * elem
     attn = elem * (n_q // max(batch, 1)) * (length + n_q // max(batch, 1)) * batch * cfg.num_layers
     logits = 4 * 3 * tc.vocab_size * n_q * (cfg.block_size - 1) // cfg.block_size

@@ -26,6 +26,7 @@ from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import from_exported_head, llama_dims, renamed, vllm_method, vllm_snippet, write_tensors
 from draftsmith.models.training import layer_activation_bytes
+from draftsmith.target.features import draft_embeddings
 from draftsmith.util.losses import smooth_l1_feature_loss, soft_cross_entropy, topk_distillation_loss
 from draftsmith.util.masks import ttt_mask
 
@@ -53,17 +54,38 @@ class DrafterConfig:
     """Weight of the top-k distillation loss (HASS: 1.0 in its second stage)."""
 
 
+def target_rope(config) -> dict:
+    """The RoPE a drafter's full-attention layer takes from the target: its own, or, for a target with
+    one RoPE per layer type (Gemma-3: `sliding_attention` at rope_local_base_freq, `full_attention`
+    at rope_theta), that of its global layers, which see the whole context as the drafter's layer does."""
+    rope = getattr(config, "rope_parameters", None) or {
+        "rope_type": "default",
+        "rope_theta": getattr(config, "rope_theta", 10000.0),
+    }
+    return dict(rope.get("full_attention", rope))
+
+
+def dense_intermediate_size(config) -> int:
+    """The MLP width of a drafter's own decoder layer, always a dense Llama MLP (the experts of an
+    MoE target are never copied: engines build the exported head as a Llama layer). A dense target's
+    `intermediate_size`. An MoE target (Qwen3-MoE, DeepSeek, Mixtral) has no one dense MLP: its
+    `intermediate_size` where the config has one (the width of its dense layers, 6144 for
+    Qwen3-30B-A3B; speculators 0.9.0 sizes its drafts the same way), else the width a token passes
+    through, `num_experts_per_tok` experts of `moe_intermediate_size` (8 x 768 = 6144 there too).
+    One expert's width alone (768) would starve the layer."""
+    if getattr(config, "intermediate_size", None):
+        return config.intermediate_size
+    return config.num_experts_per_tok * config.moe_intermediate_size
+
+
 def layer_config(target_config) -> LlamaConfig:
     """A one-layer Llama config with the target's dimensions (what vLLM/SGLang EAGLE heads use)."""
     c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     heads = c.num_attention_heads
-    rope = getattr(c, "rope_parameters", None) or {
-        "rope_type": "default",
-        "rope_theta": getattr(c, "rope_theta", 10000.0),
-    }
+    rope = target_rope(c)
     cfg = LlamaConfig(
         hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
+        intermediate_size=dense_intermediate_size(c),
         num_attention_heads=heads,
         num_key_value_heads=getattr(c, "num_key_value_heads", heads) or heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
@@ -165,7 +187,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     ids_ext = torch.nn.functional.pad(ids, (0, steps - 1))
     f_ext = torch.nn.functional.pad(f, (0, 0, 0, steps - 1))
     lmask_ext = torch.nn.functional.pad(lmask, (0, steps))
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    embed, lm_head = draft_embeddings(target), target.get_output_embeddings()
     outs = drafter(f_in, embed(ids_ext[:, 1:]), attn[:, 1:], steps)
     roots = torch.arange(t, device=ids.device)
     total, metrics = 0.0, {}
@@ -269,7 +291,7 @@ def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, e
 def unroll_activation_bytes(tc, batch: int, length: int, elem: int, steps: int, vocab: int) -> int:
     """A feature-space head unrolled `steps` times (TTT / HASS), its logits over `vocab` tokens."""
     n, f = batch * length, 4
-    layer = layer_activation_bytes(tc.hidden_size, tc.intermediate_size, elem)
+    layer = layer_activation_bytes(tc.hidden_size, dense_intermediate_size(tc), elem)
     # the target's draft-vocab distribution and one copy per step's labels; per step the logits,
     # softmax, log-softmax kept for backward; one transient product; the TTT masks (one [t, t(j+1)]
     # block row per step, materialised in the activation dtype by SDPA)

@@ -42,7 +42,7 @@ from draftsmith.models.formats import (
     write_tensors,
 )
 from draftsmith.models.training import draft_vocab, target_label_rows
-from draftsmith.target.features import target_features
+from draftsmith.target.features import draft_embeddings, target_features
 from draftsmith.target.load import resolve_target, served_name
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, topk_distillation_loss
 from draftsmith.util.masks import causal_mask, ttt_mask
@@ -344,7 +344,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
             selections.append((b_idx, r_idx))
             labels.append((draft_all[r], keep_all[r]))
     aux = aux_features(feats, names)[:, :t]
-    embeds = target.get_input_embeddings()(ids_ext[:, 1:])
+    embeds = draft_embeddings(target)(ids_ext[:, 1:])
     logits = drafter(aux.to(core.fc.weight.dtype), embeds, attn[:, :t], selections)
     total, metrics = 0.0, {}
     for j, (s_logits, (t_draft, keep)) in enumerate(zip(logits, labels)):

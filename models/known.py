@@ -135,6 +135,69 @@ KNOWN_CONFIGS: dict[str, dict] = {
         vocab_size=152064,
         tie_word_embeddings=False,
     ),
+    # Qwen3 MoE (huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json): Qwen3's attention (q/k
+    # norm, head_dim 128) with a sparse MLP in every layer (decoder_sparse_step 1, no mlp_only_layers):
+    # 128 experts of width moe_intermediate_size, 8 routed per token, top-k weights renormalised.
+    # `intermediate_size` (6144) sizes only dense layers, which this model has none of.
+    "Qwen/Qwen3-30B-A3B": dict(
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        mlp_only_layers=[],
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_scaling=None,
+        max_position_embeddings=40960,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        hidden_act="silu",
+    ),
+    # Gemma-3 text (huggingface.co/google/gemma-3-1b-it/blob/main/config.json): embeddings scaled by
+    # sqrt(hidden_size), (1 + weight) RMSNorms, q/k norm, attention scaled by query_pre_attn_scalar;
+    # five sliding-window layers (RoPE base rope_local_base_freq) to one global layer (rope_theta).
+    # tie_word_embeddings is not in the file: Gemma3TextConfig's default, true.
+    "google/gemma-3-1b-it": dict(
+        model_type="gemma3_text",
+        architectures=["Gemma3ForCausalLM"],
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        vocab_size=262144,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        rope_scaling=None,
+        sliding_window=512,
+        sliding_window_pattern=6,
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        max_position_embeddings=32768,
+        bos_token_id=2,
+        eos_token_id=[1, 106],
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
     "Qwen/Qwen2.5-0.5B-Instruct": dict(
         _QWEN2,
         hidden_size=896,
@@ -185,7 +248,8 @@ def tiny_config(
     """`name`'s architecture at test size: its RoPE type and scaling, norms, biases and tying, with
     small dimensions (head_dim 32: the smallest vLLM's CPU attention takes) and a test tokenizer's
     vocabulary. The RoPE scaling keeps its factors; `original_max_position_embeddings` shrinks with
-    the context so the scaled band is inside the positions tests reach."""
+    the context so the scaled band is inside the positions tests reach, as a sliding window does; an
+    MoE keeps its routing with 4 small experts, top-2."""
     values = dict(KNOWN_CONFIGS[name])
     values.update(
         hidden_size=hidden,
@@ -202,5 +266,11 @@ def tiny_config(
     )
     if values.get("rope_scaling"):
         values["rope_scaling"] = dict(values["rope_scaling"], original_max_position_embeddings=64)
+    if "num_experts" in values:  # MoE: 4 experts of width hidden/2, 2 routed per token
+        values.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2)
+    if values.get("sliding_window_pattern"):
+        # Gemma-3: the window shrinks with the context (tests' prompts and answers outrun it) and
+        # every second layer is global, so a few layers have both kinds.
+        values.update(sliding_window=16, sliding_window_pattern=2)
     values.update(extra)
     return AutoConfig.for_model(values.pop("model_type"), **values)

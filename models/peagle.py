@@ -48,6 +48,7 @@ from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import from_exported_head, renamed
 from draftsmith.models.training import mask_token
+from draftsmith.target.features import draft_embeddings
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss
 from draftsmith.util.masks import causal_mask
 
@@ -170,7 +171,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
             core, target.get_output_embeddings(), ids, lmask, feats["last_hidden"]
         )
         chains = sample_chains(row_of, t, cfg)
-    embed = target.get_input_embeddings()
+    embed = draft_embeddings(target)
     aux = aux_features(feats, names)[:, :t].to(core.fc.weight.dtype)
     mask_embed = embed(torch.tensor([[cfg.mask_token_id]], device=ids.device))
     out = drafter(aux, embed(ids[:, 1:]), mask_embed, attn[:, :t], chains)
@@ -207,7 +208,7 @@ class ParallelProposer(Proposer):
     def __init__(self, drafter, target, cfg: DrafterConfig):
         self.drafter, self.cfg = drafter.eval(), cfg
         self.feature_names = feature_names(cfg, target.config)
-        self.embed = target.get_input_embeddings()
+        self.embed = draft_embeddings(target)
         # out [1, t, H] -> target-vocabulary logits [1, t, V]; an attribute, as FeatureProposer's, so
         # `export --verify` can record every logits row the drafter computed (draftsmith/ship/publish.py Recorder).
         self.logits = drafter.target_vocab_logits

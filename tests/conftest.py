@@ -133,11 +133,15 @@ def save_pattern_target(
 # configs), each with a test template that renders as that model's does (tests/templates.py):
 # Llama-3.1's llama3 RoPE scaling, untied, and its injected system header; Qwen3's q/k norm, tied as
 # its small models are, and its think block on the last assistant turn; Qwen2.5's q/k/v biases and
-# its default system prompt.
+# its default system prompt; Qwen3-30B-A3B's sparse MLPs (4 experts, top-2), untied, with Qwen3's
+# template; Gemma-3's scaled embeddings, (1 + w) norms, sliding-window layers with their own RoPE
+# base, tied, and its <start_of_turn>model turns.
 REAL_ARCHS = {
     "llama3.1": ("meta-llama/Llama-3.1-8B-Instruct", {}, "LLAMA31_LIKE"),
     "qwen3": ("Qwen/Qwen3-8B", {"tie_word_embeddings": True}, "QWEN3_LIKE"),
     "qwen2.5": ("Qwen/Qwen2.5-7B-Instruct", {}, "QWEN25_LIKE"),
+    "qwen3-moe": ("Qwen/Qwen3-30B-A3B", {}, "QWEN3_LIKE"),
+    "gemma3": ("google/gemma-3-1b-it", {}, "GEMMA3_LIKE"),
 }
 
 

@@ -44,3 +44,17 @@ GENERATION_MARKED = (
     "{% else %}{{ m['content'] }}<|im_end|>{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+# Gemma-3: BOS, then `<start_of_turn>` + role + newline per turn, the assistant's role written
+# `model`, and `<end_of_turn>` + newline after each; contents trimmed. It has no system role: a
+# system message is prepended to the first user turn, followed by a blank line. <|im_start|> and
+# <|im_end|> stand in for <start_of_turn> and <end_of_turn>.
+GEMMA3_LIKE = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] | trim ~ '\\n\\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}<|im_start|>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ prefix if loop.first else '' }}{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>model\n{% endif %}"
+)

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 from draftsmith import DraftsmithError
 from draftsmith.engine.cache import crop_cache
 from draftsmith.engine.drafts import Draft, grow_tree
+from draftsmith.target.features import draft_embeddings
 from draftsmith.util.masks import causal_mask
 
 
@@ -119,7 +120,7 @@ class FeatureProposer(Proposer):
     def __init__(self, drafter, target, feature_names, to_hidden, step, logits):
         self.drafter = drafter.eval()
         self.feature_names = tuple(feature_names)
-        self.embed = target.get_input_embeddings()
+        self.embed = draft_embeddings(target)
         self.to_hidden, self.step, self.logits = to_hidden, step, logits
         self.reset()
 

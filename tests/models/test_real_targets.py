@@ -1,13 +1,16 @@
 """Every family on tiny targets of the architectures users train on (tests/conftest.py REAL_ARCHS:
-Llama-3.1 with llama3 RoPE scaling, Qwen3 with q/k norm, Qwen2.5 with q/k/v biases): training,
-a lossless eval, exports that carry the target's RoPE and rebuild from their config alone."""
+Llama-3.1 with llama3 RoPE scaling, Qwen3 with q/k norm, Qwen2.5 with q/k/v biases, Qwen3-MoE's
+routed experts, Gemma-3's scaled embeddings and sliding-window layers): training, a lossless eval,
+exports that carry the target's RoPE and rebuild from their config alone."""
 
 import json
 
 import pytest
 
+from benchmarks.tiny_target import TINY_DRAFTERS
 from draftsmith import DraftsmithError
 from draftsmith.models import eagle3
+from draftsmith.models.eagle import target_rope
 from draftsmith.models.registry import drafter_module
 from draftsmith.ship.export import export
 from draftsmith.ship.publish import verify_export
@@ -27,6 +30,14 @@ FAMILIES = {
     "medusa": {"drafter.type": "medusa", "drafter.num_heads": 2},
     "distill": {"drafter.type": "distill", "drafter.num_layers": 1},
 }
+# The block drafters at benchmarks/tiny_target.py's sizes, on the MoE and Gemma-3 targets only: the
+# CI budget (about 1.7 s a case; they pass on the other three as well, 20 s more).
+BLOCK_FAMILIES = {
+    name: {"drafter.type": name, **TINY_DRAFTERS[name]} for name in ("peagle", "dflash", "dspark", "dflash2")
+}
+CASES = [(arch, family) for arch in REAL_ARCHS for family in FAMILIES] + [
+    (arch, family) for arch in ("qwen3-moe", "gemma3") for family in BLOCK_FAMILIES
+]
 
 
 @pytest.fixture(scope="module")
@@ -58,33 +69,35 @@ def _train(target_dir, data, out, family: dict, **extra):
     )
 
 
-def _ropes(out) -> list[dict]:
+def _ropes(out, target_config) -> tuple[list[dict], dict]:
     """The RoPE an engine builds from an exported config.json: from the legacy keys (rope_theta +
-    rope_scaling, what SGLang and transformers 4 read) and from rope_parameters (transformers 5)."""
+    rope_scaling, what SGLang and transformers 4 read) and from rope_parameters (transformers 5);
+    and the target's RoPE it must equal: a head's one full-attention layer takes that of the
+    target's global layers (Gemma-3 has one per layer type), a student all of them."""
     from transformers import AutoConfig, LlamaConfig
 
     config = json.loads((out / "config.json").read_text())
     dims = config.get("transformer_layer_config", config)
     if "rope_scaling" not in dims:  # a plain transformers folder (a student): transformers' own format
-        return [dict(AutoConfig.from_pretrained(out).rope_parameters)]
+        return [dict(AutoConfig.from_pretrained(out).rope_parameters)], dict(target_config.rope_parameters)
     legacy = {k: v for k, v in dims.items() if k not in ("model_type", "architectures", "rope_parameters")}
-    return [dict(LlamaConfig(**legacy).rope_parameters), dims["rope_parameters"]]
+    return [dict(LlamaConfig(**legacy).rope_parameters), dims["rope_parameters"]], target_rope(target_config)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("arch", REAL_ARCHS)
+@pytest.mark.parametrize("arch, family", CASES, ids=[f"{a}-{f}" for a, f in CASES])
 def test_every_family_trains_evaluates_losslessly_and_exports_with_the_targets_rope(
     arch_targets, tmp_path, arch, family
 ):
     data = write_pattern_chats(tmp_path / "chats.jsonl", range(24))
-    run = _train(arch_targets[arch], data, tmp_path, FAMILIES[family])
+    run = _train(arch_targets[arch], data, tmp_path, {**FAMILIES, **BLOCK_FAMILIES}[family])
     report = json.loads((run / "eval" / "report.json").read_text())
     assert lossless_ok(report) and report["new_tokens"] > 0
     target, tok = load_target(str(arch_targets[arch]), "float32")
-    module = drafter_module(FAMILIES[family]["drafter.type"])
+    module = drafter_module(family)
     out = export(run / "final", target, module.SERVE_FORMAT, tmp_path / "export", tok=tok)
     if family != "medusa":  # Medusa heads are MLPs over the last hidden state: no attention, no RoPE
-        assert _ropes(out) and all(r == dict(target.config.rope_parameters) for r in _ropes(out))
+        ropes, want = _ropes(out, target.config)
+        assert ropes and all(r == want for r in ropes), (ropes, want)
     parity = verify_export(run / "final", out, target, tok, data, k=2, prompts=2, max_new_tokens=12)
     assert parity["passed"], parity
 
@@ -105,6 +118,54 @@ def test_a_llama31_head_exported_without_its_rope_scaling_fails_verify(arch_targ
     (out / "config.json").write_text(json.dumps(config))
     bad = verify_export(run / "final", out, target, tok, data, k=3, prompts=3, max_new_tokens=24)
     assert not bad["passed"] and bad["max_abs_logit_diff"] > 1e-2, bad
+
+
+def test_a_tree_verification_pass_on_gemma3_keeps_its_sliding_windows(arch_targets):
+    """The engine's 4-D tree mask would let Gemma-3's local layers see past their window (16 here)
+    once the context outgrows it: the pass must give the logits of one plain forward, row by row."""
+    import torch
+    from transformers import DynamicCache
+
+    from draftsmith.engine.drafts import Draft
+    from draftsmith.engine.speculative import verification_forward
+    from draftsmith.engine.verify import verification_inputs
+
+    target, _ = load_target(str(arch_targets["gemma3"]), "float32")
+    ids = [5 + (7 * i) % 90 for i in range(34)]
+    with torch.no_grad():
+        full = target(input_ids=torch.tensor([ids])).logits[0]
+        cache = DynamicCache()
+        verification_forward(target, ids[:30], cache, "cpu")
+        # root ids[30]; a chain ids[31..33] with a sibling (token 7) beside its first node
+        draft = Draft(tokens=[ids[31], 7, ids[32], ids[33]], parents=[-1, -1, 0, 2], qs=[None] * 4)
+        mask, positions = verification_inputs(draft, 30, "cpu")
+        _, logits = verification_forward(target, [ids[30], *draft.tokens], cache, "cpu", (), mask, positions)
+    assert (logits[0, [0, 1, 3, 4]] - full[30:34]).abs().max() < 1e-4
+
+
+def test_drafters_read_gemma3s_embedding_table_unscaled_as_engines_serve_it(arch_targets):
+    """Gemma-3's embedding module scales rows by sqrt(hidden); vLLM shares the unscaled table with
+    heads (and speculators trains them on it), so drafters train on the rows as they are."""
+    import torch
+
+    from draftsmith.target.features import draft_embeddings
+
+    target, _ = load_target(str(arch_targets["gemma3"]), "float32")
+    module, ids = target.get_input_embeddings(), torch.arange(12)[None]
+    assert torch.equal(draft_embeddings(target)(ids), module.weight[ids])
+    assert torch.allclose(module(ids), module.weight[ids] * target.config.hidden_size**0.5)
+
+
+def test_a_drafter_layer_on_an_moe_target_has_a_dense_mlp_of_its_active_width():
+    from types import SimpleNamespace
+
+    from draftsmith.models.eagle import dense_intermediate_size, layer_config
+    from draftsmith.models.known import known_config
+
+    moe = known_config("Qwen/Qwen3-30B-A3B")
+    assert layer_config(moe).intermediate_size == moe.intermediate_size == 6144
+    # An MoE config without a dense width: the experts a token passes through, 8 x 768.
+    assert dense_intermediate_size(SimpleNamespace(num_experts_per_tok=8, moe_intermediate_size=768)) == 6144
 
 
 def test_eagle3_default_aux_layers_are_the_engines_and_exports_name_them_in_both_conventions(tmp_path):
