@@ -328,6 +328,27 @@ def test_regenerate_through_vllm_keeps_vllms_exact_ids_and_resumes(pattern, targ
     ]
 
 
+@needs_vllm
+def test_multi_turn_regeneration_through_vllm_answers_every_turn_as_in_process(pattern, target_server, tmp_path):
+    """Turn by turn through vLLM, each prompt holding the target's own earlier answers: the same
+    records, ids and all, as the in-process engine's in fp32."""
+    from draftsmith.data import regenerate as regen
+    from draftsmith.target.load import load_target
+
+    target, tok = load_target(str(pattern["target"]), "float32")
+    data = tmp_path / "chats.jsonl"
+    turns = [("user", "abc"), ("assistant", "x"), ("user", "cfi"), ("assistant", "y"), ("user", "dhl")]
+    rows = [{"messages": [{"role": r, "content": c} for r, c in turns[:n]]} for n in (5, 3, 1)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    served = regen.regenerate_vllm(
+        str(pattern["target"]), tok, str(data), tmp_path / "vllm.jsonl", 30, server=target_server.url
+    )
+    inproc = regen.regenerate(target, tok, str(data), tmp_path / "hf.jsonl", 4, 30)
+    lines = [json.loads(l) for l in served.read_text().splitlines()]
+    assert regen.regeneration_counts(served)["answers"] == 3 + 2 + 1
+    assert lines == [json.loads(l) for l in inproc.read_text().splitlines()]
+
+
 # --- no server needed ---------------------------------------------------------------------------------
 
 
