@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -238,28 +239,45 @@ def test_eagle3_official_sglang_format_is_served_too(pattern, trained, target_se
     assert r["loaded"] and r["passed"], r.get("why")
 
 
-@needs_vllm
-def test_server_is_stopped_after_a_startup_failure_and_after_ctrl_c(pattern, tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default: engine and worker processes
+def _stops_after_a_startup_failure_and_after_ctrl_c(model, tmp_path, python=None, engine_names_model=False):
     # A folder vLLM cannot serve: the cause comes back as one line, and nothing is left running.
     bad = tmp_path / "not-a-model"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch"}))
     with pytest.raises(DraftsmithError, match="vLLM did not start") as e:
-        with vllm_server.serve(str(bad)):
+        with vllm_server.serve(str(bad), python=python):
             pass
     assert "\n" not in str(e.value) and not _processes_with(str(bad))
     # Ctrl-C inside the block: the server and its engine processes stop.
     copy = tmp_path / "target-copy"
-    copy.symlink_to(pattern["target"])
+    copy.symlink_to(model)
     with pytest.raises(KeyboardInterrupt):
-        with vllm_server.serve(str(copy), max_model_len=512) as server:
+        with vllm_server.serve(str(copy), python=python, max_model_len=512) as server:
             pid = server.pid
+            assert len(_processes_with(str(copy))) >= 1 + engine_names_model  # the server (and the stand-in's engine)
             assert vllm_server.complete(server, [3, 10, 11, 12], 4)
             raise KeyboardInterrupt
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert not _processes_with(str(copy))
+
+
+def test_server_is_stopped_after_a_startup_failure_and_after_ctrl_c(tmp_path):
+    """How draftsmith starts and stops a server, on a stand-in for vLLM's api_server that starts in
+    a fraction of a second (tests/ship/fake_vllm): the real one is the `vllm_families` test below."""
+    python = tmp_path / "python"
+    fake = Path(__file__).parent / "fake_vllm"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{fake}" exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    (tmp_path / "model").mkdir()
+    _stops_after_a_startup_failure_and_after_ctrl_c(tmp_path / "model", tmp_path, str(python), engine_names_model=True)
+
+
+@needs_vllm
+@pytest.mark.vllm_families
+def test_vllm_is_stopped_after_a_startup_failure_and_after_ctrl_c(pattern, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default: engine and worker processes
+    _stops_after_a_startup_failure_and_after_ctrl_c(pattern["target"], tmp_path)
 
 
 @needs_vllm
