@@ -15,6 +15,7 @@ from draftsmith.eval.args import CompareArgs, EvalArgs, LayerskipArgs
 from draftsmith.ship.args import ExportArgs, PublishArgs, ServeCheckArgs
 from draftsmith.train.args import FeaturesArgs, InspectArgs, PlanArgs, RecipeArgs
 from draftsmith.util import flags
+from draftsmith.util.parse import read_yaml
 
 TRAIN_HELP = """examples:
   draftsmith train recipes/cpu/eagle-smollm2.yaml
@@ -198,8 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     command: Command = namespace._command
     module, function = command.run.split(":")
     try:
+        args = flags.parsed(command.args, namespace)
+        if isinstance(getattr(args, "recipe", None), str):  # a missing or broken recipe fails in a second,
+            read_yaml(args.recipe)  # before the command's rooms (torch, transformers) load
         run = getattr(importlib.import_module(module), function)  # the command's rooms load only now
-        run(flags.parsed(command.args, namespace))
+        run(args)
     except DraftsmithError as e:
         print(f"draftsmith: error: {e}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data.batching import build_dataset
 from draftsmith.data.features import write_cache
 from draftsmith.data.inspect import encoded_example, print_example
+from draftsmith.data.load import thinking_kwargs
 from draftsmith.models.registry import drafter_module
 from draftsmith.target.load import fingerprint, load_target
 from draftsmith.train.args import FeaturesArgs, InspectArgs, PlanArgs, RecipeArgs
@@ -48,6 +49,7 @@ def run_features(args: FeaturesArgs) -> None:
         cfg.data.max_examples,
         split=cfg.data.split,
         malformed=cfg.data.malformed,
+        chat=thinking_kwargs(cfg.data.thinking),
     )
     names = drafter_module(cfg.drafter["type"]).feature_names(drafter_config(cfg), target.config)
     out = write_cache(target, ds, names, Path(args.out), fingerprint(target), tok.pad_token_id, args.batch_size)
