@@ -543,12 +543,16 @@ def test_regeneration_bench_prints_both_engines_and_their_agreement(pattern, tmp
 
 @pytest.mark.vllm_families
 @needs_vllm
-@pytest.mark.parametrize("family", ["eagle3", "eagle", "distill"])
-@pytest.mark.parametrize("arch", ["llama3.1", "qwen3", "qwen2.5"])
+@pytest.mark.parametrize(
+    "arch, family",
+    [(a, f) for a in ("llama3.1", "qwen3", "qwen2.5") for f in ("eagle3", "eagle", "distill")]
+    + [("qwen3-moe", "eagle3")],  # speculators#1136: EAGLE-3 on an MoE verifier
+)
 def test_real_architecture_exports_served_by_vllm_match_draftsmith(tmp_path, arch, family):
-    """A tiny target of each real architecture (llama3 RoPE scaling, q/k norm, q/k/v biases, their
-    templates) trained to answer the walk; a drafter trained on its own regenerated answers; vLLM
-    rebuilds the export from its config alone, and serves it with outputs identical and τ equal."""
+    """A tiny target of each real architecture (llama3 RoPE scaling, q/k norm, q/k/v biases, Qwen3's
+    MoE, their templates) trained to answer the walk; a drafter trained on its own regenerated
+    answers; vLLM rebuilds the export from its config alone, and serves it with outputs identical
+    and τ equal."""
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train
     from tests.conftest import save_pattern_target, write_pattern_chats
