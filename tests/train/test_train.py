@@ -10,6 +10,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from benchmarks.tiny_target import TINY_DRAFTERS
 from draftsmith import DraftsmithError
 from draftsmith.eval.report import REPORT_KEYS
 from draftsmith.train import checkpoint
@@ -203,11 +204,24 @@ def test_the_two_process_tests_share_one_xdist_worker(request):
     )
 
 
+def _tiny(family: str) -> dict:
+    """A family's tiny settings (benchmarks/tiny_target.py) for this 2-layer target: one aux layer."""
+    return {k: json.dumps(v) for k, v in {**TINY_DRAFTERS[family], "drafter.aux_layers": [0]}.items()}
+
+
 @MULTIPROCESS
 @pytest.mark.parametrize(
     "family",
-    [{"drafter.feature_noise": 0}, {"drafter.type": "medusa", "drafter.num_heads": 2}, MEDUSA2, DISTILL],
-    ids=["eagle", "medusa", "medusa2", "distill"],
+    [
+        {"drafter.feature_noise": 0},
+        {"drafter.type": "medusa", "drafter.num_heads": 2},
+        MEDUSA2,
+        DISTILL,
+        # the block backbone with both extra heads (Markov, confidence), and with the convolutions and selector
+        {"drafter.type": "dspark", **_tiny("dspark")},
+        {"drafter.type": "dflash2", **_tiny("dflash2")},
+    ],
+    ids=["eagle", "medusa", "medusa2", "distill", "dspark", "dflash2"],
 )
 @pytest.mark.fp32_exact
 def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_dir, chat_jsonl, tmp_path, family):
