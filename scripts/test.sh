@@ -33,30 +33,25 @@ fi
 # JIT build alone is 150-250 CPU-seconds; `bash scripts/test.sh -m cpu_adam` runs its two tests.
 failed=0
 phase "unit tests" env OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n auto --dist loadgroup \
-  -m "not integration and not vllm and not chi_square and not script and not cpu_adam" --durations=10 || failed=1
+  -m "not integration and not vllm and not chi_square and not script and not cpu_adam" --durations=25 || failed=1
 
-# A real vLLM server on loopback (.venv-vllm): EAGLE-3 end to end, a broken export, server clean-up,
-# regeneration. The other families' checks are `-m vllm_families` (about 8 more server starts).
+# A real vLLM server on loopback (.venv-vllm): EAGLE-3 end to end, a broken export, regeneration
+# (multi-turn too). The other families' checks and the real server's Ctrl-C clean-up are
+# `-m vllm_families` (about 10 more server starts).
 # A vLLM server and the test waiting on it take turns, so these keep about one core busy; the
 # integration tests (the real embedded smollm2-135m, a shortened quickstart) and the chi-square
-# sampling tests run beside them, and the script tests (gpu-check.sh's CPU dry path) after them, so
-# that both lanes take about as long (189 + 43 s against 106 + 110 s on a 2-core EPYC). Each runs in
-# one torch thread: with two threads each, OpenMP's spinning waits made vLLM and integration side by
-# side take twice as long as one after the other.
-beside_vllm() {
-  local rc=0
-  phase "integration tests" .venv/bin/python -m pytest -q -m integration || rc=1
-  phase "chi-square tests" .venv/bin/python -m pytest -q -m "chi_square and not integration and not vllm" || rc=1
-  return "$rc"
-}
+# sampling tests run beside them, and the script tests (gpu-check.sh's CPU dry path) after the vLLM
+# ones in the same pytest run (one interpreter start fewer), so that both lanes take about as long.
+# Each runs in one torch thread: with two threads each, OpenMP's spinning waits made vLLM and
+# integration side by side take twice as long as one after the other.
 export OMP_NUM_THREADS=1
 side_by_side=$SECONDS
 beside_log=$(mktemp)
-beside_vllm > "$beside_log" 2>&1 &
+phase "integration and chi-square tests" .venv/bin/python -m pytest -q \
+  -m "integration or (chi_square and not vllm)" --durations=5 > "$beside_log" 2>&1 &
 beside_pid=$!
-phase "vllm tests" env DRAFTSMITH_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q -m "vllm and not vllm_families" \
-  --durations=5 || failed=1
-phase "script tests" .venv/bin/python -m pytest -q -m "script and not integration and not vllm" || failed=1
+phase "vllm and script tests" env DRAFTSMITH_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q \
+  -m "(vllm and not vllm_families) or (script and not integration)" --durations=5 || failed=1
 wait "$beside_pid" || failed=1
 cat "$beside_log"
 rm -f "$beside_log"
