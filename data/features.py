@@ -19,6 +19,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data.batching import collate
 from draftsmith.data.sharding import Shard
 from draftsmith.target.features import target_features
+from draftsmith.target.vllm_features import capture_features
 
 INDEX = "index.json"
 
@@ -45,7 +46,11 @@ class ShardWriter:
         """examples: example idx -> {name: [n_tokens, H]} (real tokens only; padding is rebuilt on load)."""
         stem = f"shard-{self.prefix}{len(list(self.tmp.glob(f'shard-{self.prefix}[0-9]*.safetensors'))):05d}"
         tensors = {
-            f"{name}.{idx}": t.cpu().contiguous() for idx, feats in examples.items() for name, t in feats.items()
+            # a copy each: transformers returns the last layer's output and `last_hidden` as one tensor,
+            # and safetensors refuses tensors that share memory
+            f"{name}.{idx}": t.detach().to("cpu", copy=True).contiguous()
+            for idx, feats in examples.items()
+            for name, t in feats.items()
         }
         save_file(tensors, self.tmp / f"{stem}.partial")
         (self.tmp / f"{stem}.partial").replace(self.tmp / f"{stem}.safetensors")
@@ -104,6 +109,15 @@ def write_cache(
         writer.finish(len(dataset))
     shard.barrier()
     return Path(out)
+
+
+def write_cache_vllm(path, target, dataset, names, out: Path, fingerprint: str, extra=(), python=None) -> Path:
+    """`write_cache` through vLLM (`data.features_engine: vllm`, draftsmith/target/vllm_features.py):
+    the target served from `path` (a folder or hub id vLLM loads) over every example, in one process
+    (a launch calls it on its main rank); `target` in-process gives the config, dtype and final norm."""
+    writer = ShardWriter(out, names, fingerprint, target.config.hidden_size)
+    capture_features(str(path), target, dataset, names, writer, extra=extra, python=python)
+    return writer.finish(len(dataset))
 
 
 class FeatureCache:

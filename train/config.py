@@ -63,6 +63,12 @@ class DataConfig:
     offline_features: str = ""
     """Folder written by `draftsmith data features`; `auto` = build it once in the cache dir and reuse
     it (one target pass over the data, then every epoch is drafter-only); empty = online features."""
+    features_engine: str = "hf"
+    """Who computes the offline feature cache: `hf` (the target in the training process) or `vllm`
+    (vLLM's extract_hidden_states method over the same tokens, docs/vllm-features.md; one engine on
+    the main rank, with `features_vllm_args`), for targets no trainer GPU holds."""
+    features_vllm_args: list[str] = field(default_factory=list)
+    """`features_engine: vllm`: extra vLLM engine flags, passed unchanged, e.g. [--tensor-parallel-size, "8"]."""
     num_proc: int = 1
 
     def __post_init__(self):
@@ -71,6 +77,10 @@ class DataConfig:
         self.thinking = thinking_switch(self.thinking, "data.thinking")
         if self.turns not in TURNS:
             raise DraftsmithError(f"data.turns: expected all or last, got {self.turns!r}")
+        if self.features_engine not in ("hf", "vllm"):
+            raise DraftsmithError(f"data.features_engine: expected hf or vllm, got {self.features_engine!r}")
+        if self.features_engine == "hf" and self.features_vllm_args:
+            raise DraftsmithError("data.features_vllm_args: these go to vLLM; set data.features_engine: vllm")
         if self.regenerate_engine not in ("hf", "vllm"):
             raise DraftsmithError(f"data.regenerate_engine: expected hf or vllm, got {self.regenerate_engine!r}")
         if self.regenerate_engine == "hf" and (

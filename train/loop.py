@@ -35,7 +35,7 @@ from transformers import (
 
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import build_dataset, collate, epoch_batches
-from draftsmith.data.features import FeatureCache, write_cache
+from draftsmith.data.features import FeatureCache, write_cache, write_cache_vllm
 from draftsmith.data.load import thinking_kwargs
 from draftsmith.data.regenerate import cached_regeneration, regeneration_counts, regeneration_path, sampling_of
 from draftsmith.data.sharding import Shard
@@ -46,7 +46,7 @@ from draftsmith.eval.run import evaluate_drafter
 from draftsmith.models.registry import drafter_module, load_drafter, target_to_load_on
 from draftsmith.ship.export import init_weights, read_config
 from draftsmith.target.features import target_features
-from draftsmith.target.load import cache_root, fingerprint, load_target
+from draftsmith.target.load import cache_root, fingerprint, load_target, resolve_target
 from draftsmith.train import checkpoint
 from draftsmith.train.config import Config, drafter_config, resolve_precision
 from draftsmith.train.distributed import (
@@ -459,7 +459,7 @@ def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], sha
             cfg.data.max_examples,
             cfg.data.regenerate_max_new_tokens,
             cfg.data.regenerate_batch_size,
-            names if cache == "auto" else (),
+            names if cache == "auto" and cfg.data.features_engine == "hf" else (),  # vllm: its own pass below
         )
         which = dict(split=cfg.data.split, malformed=cfg.data.malformed, turns=cfg.data.turns, chat=chat)
         if vllm and not shard.main:
@@ -505,16 +505,27 @@ def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], sha
         (cfg.run_dir / "data.json").write_text(json.dumps(stats, indent=1))
     if not names:
         return ds, None
+    if cfg.data.features_engine == "vllm" and not cache:
+        raise DraftsmithError(
+            "data.features_engine: vllm writes the offline feature cache; set data.offline_features: auto"
+        )
     if cache == "auto":  # computed once per (target, data, length), reused by every epoch and run
         dtype = str(next(target.parameters()).dtype)
         key = json.dumps(
             [fp, train_data, cfg.data.max_length, cfg.data.max_examples, list(names), dtype]
             + ([split] if split != "train" else [])
             + ([chat] if chat else [])  # another rendering of the chats: other tokens
+            + (["vllm"] if cfg.data.features_engine == "vllm" else [])  # equal within rounding, not bit for bit
         )
         cache = cache_root(cfg.cache_dir) / "features" / hashlib.sha256(key.encode()).hexdigest()[:16]
         if not (cache / "index.json").is_file():
-            write_cache(target, ds, names, cache, fp, tok.pad_token_id, shard=shard)
+            if cfg.data.features_engine == "hf":
+                write_cache(target, ds, names, cache, fp, tok.pad_token_id, shard=shard)
+            elif shard.main:  # vLLM: one engine, on the main rank, with the GPUs its flags give it
+                path = resolve_target(cfg.target, cfg.cache_dir)
+                write_cache_vllm(path, target, ds, names, cache, fp, extra=tuple(cfg.data.features_vllm_args))
+            else:
+                shard.wait_for(cache / "index.json")  # a file, not a collective: no process-group timeout
     return ds, cache or None
 
 

@@ -13,6 +13,9 @@ OWN = {f"models/{name}.py" for name in DRAFTERS} | {"models/registry.py"}
 HELP_KEYWORDS = {"help", "epilog", "description"}
 # Parts only some families' drafters have: shared code that reaches for them knows the family.
 FAMILY_PARTS = {"heads", "student"}
+# Engines' own config keys that contain a family's name but belong to no family: vLLM reads the layers
+# to tap from this key whatever the method (extract_hidden_states too: draftsmith/target/vllm_features.py).
+ENGINE_KEYS = {"eagle_aux_hidden_state_layer_ids"}
 
 
 def _prose(tree: ast.AST) -> set[int]:
@@ -46,6 +49,8 @@ def family_mentions(source: str, families, strings: bool = True) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
             if not strings:
+                continue
+            if node.value in ENGINE_KEYS:
                 continue
             if node.value in FAMILY_PARTS:  # getattr(drafter, "heads", ...)
                 found.append(f"line {node.lineno}: {node.value!r} (a family's own part)")
@@ -90,4 +95,6 @@ def test_the_check_sees_a_planted_family_name():
     assert family_mentions("from draftsmith.models import eagle3\n", DRAFTERS)
     assert not family_mentions('p.add_argument("--x", help="a medusa tree")\n', DRAFTERS)
     assert family_mentions("n = drafter.heads\n", DRAFTERS) == ["line 1: attribute .heads (a family's own part)"]
+    assert not family_mentions('c = {"eagle_aux_hidden_state_layer_ids": ids}\n', DRAFTERS)  # vLLM's key
+    assert family_mentions('c = {"eagle_aux_layers": ids}\n', DRAFTERS)  # ... but only that one
     assert family_mentions('m = getattr(p, "student", p)\n', DRAFTERS) == ["line 1: 'student' (a family's own part)"]
