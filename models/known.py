@@ -47,6 +47,21 @@ _QWEN2 = dict(
     use_sliding_window=False,
     sliding_window=131072,
 )
+# What Qwen3's dense and MoE models share: the attention (32 heads of head_dim 128, q/k norm), the
+# tokenizer, the RoPE base and the context length.
+_QWEN3 = dict(
+    num_attention_heads=32,
+    head_dim=128,
+    vocab_size=151936,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    hidden_act="silu",
+)
 
 KNOWN_CONFIGS: dict[str, dict] = {
     "meta-llama/Llama-3.1-8B-Instruct": dict(
@@ -106,23 +121,13 @@ KNOWN_CONFIGS: dict[str, dict] = {
     ),
     # Qwen3: q/k RMSNorm in every attention layer, head_dim 128 independent of hidden/heads.
     "Qwen/Qwen3-8B": dict(
+        _QWEN3,
         model_type="qwen3",
         architectures=["Qwen3ForCausalLM"],
         hidden_size=4096,
         intermediate_size=12288,
         num_hidden_layers=36,
-        num_attention_heads=32,
         num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        max_position_embeddings=40960,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        hidden_act="silu",
     ),
     # Qwen2.5: biases on q/k/v.
     "Qwen/Qwen2.5-7B-Instruct": dict(
@@ -140,6 +145,7 @@ KNOWN_CONFIGS: dict[str, dict] = {
     # 128 experts of width moe_intermediate_size, 8 routed per token, top-k weights renormalised.
     # `intermediate_size` (6144) sizes only dense layers, which this model has none of.
     "Qwen/Qwen3-30B-A3B": dict(
+        _QWEN3,
         model_type="qwen3_moe",
         architectures=["Qwen3MoeForCausalLM"],
         hidden_size=2048,
@@ -151,21 +157,10 @@ KNOWN_CONFIGS: dict[str, dict] = {
         norm_topk_prob=True,
         mlp_only_layers=[],
         num_hidden_layers=48,
-        num_attention_heads=32,
         num_key_value_heads=4,
-        head_dim=128,
-        vocab_size=151936,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
         rope_scaling=None,
-        max_position_embeddings=40960,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        tie_word_embeddings=False,
-        attention_bias=False,
         use_sliding_window=False,
         sliding_window=None,
-        hidden_act="silu",
     ),
     # Gemma-3 text (huggingface.co/google/gemma-3-1b-it/blob/main/config.json): embeddings scaled by
     # sqrt(hidden_size), (1 + weight) RMSNorms, q/k norm, attention scaled by query_pre_attn_scalar;
