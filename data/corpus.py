@@ -15,6 +15,7 @@ modules is held out, so the holdout is a different slice of the domain.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sysconfig
 import textwrap
@@ -187,6 +188,13 @@ def builtin_corpus(name: str) -> list[dict]:
         raise DraftsmithError(
             f"builtin:{name}: unknown built-in corpus (choose from {', '.join('builtin:' + n for n in NAMES)})"
         )
+    return [dict(r) for r in _built(name)]  # copies: the process keeps one build of each corpus
+
+
+@functools.cache
+def _built(name: str) -> tuple[dict, ...]:
+    """A corpus, built once per process: `code` parses the whole stdlib (about 7 s on one core), and
+    a run reads its data and holdout more than once (training, the eval's baseline and drafter)."""
     kind, _, split = name.partition("-")
     records = {
         "code": code_records,
@@ -197,4 +205,4 @@ def builtin_corpus(name: str) -> list[dict]:
     }[kind]
     rows = records(holdout=split == "holdout")
     # Deterministic order that interleaves modules, so `max_examples` keeps a varied subset.
-    return sorted(rows, key=lambda r: zlib.crc32(r["source"].encode()))
+    return tuple(sorted(rows, key=lambda r: zlib.crc32(r["source"].encode())))
