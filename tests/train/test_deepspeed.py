@@ -6,8 +6,8 @@ or refuse another one in one line.
 Marked `deepspeed` (select with `-m deepspeed`, skip with `-m "not deepspeed"`); skipped when
 deepspeed is not installed. The zero3-offload preset as shipped uses DeepSpeed's CPU Adam, which
 JIT-compiles on first use (150-250 CPU-seconds on a 2-core EPYC): its two tests are marked `cpu_adam`
-and left out of scripts/test.sh's default run (`bash scripts/test.sh -m cpu_adam` runs them, and
-scripts/gpu-check.sh on a GPU machine); the default run offloads with torch's AdamW instead."""
+and left out of scripts/test.sh's default run (`bash scripts/test.sh -m cpu_adam` runs them); the
+default run offloads with torch's AdamW instead."""
 
 import importlib.util
 import json
