@@ -46,15 +46,15 @@ def test_shortened_quickstart(smollm, tmp_path):
         [
             f"output_dir={tmp_path}",
             f"cache_dir={tmp_path / 'cache'}",
-            "optim.max_steps=12",
-            "data.max_examples=32",
-            "data.regenerate_max_new_tokens=24",
-            "data.regenerate_batch_size=32",
+            "optim.max_steps=8",
+            "data.max_examples=24",
+            "data.regenerate_max_new_tokens=20",
+            "data.regenerate_batch_size=24",
             "optim.warmup_steps=2",
-            "log_every=3",
+            "log_every=2",
             "save_every=0",
             "eval.num_prompts=2",
-            "eval.max_new_tokens=20",
+            "eval.max_new_tokens=16",
         ],
     )
     run = train(cfg)
