@@ -64,6 +64,7 @@ class CompareArgs:
     max_new_tokens: int = field(metadata=EVAL)
     num_prompts: int = field(metadata=EVAL)
     dtype: str = field(metadata={**EVAL, "type": dtype_arg})
+    thinking: str = field(metadata={**EVAL, "choices": ["", "on", "off"]})
     batch_sizes: str | None = None
     """also measure each drafter's batch-size curve, e.g. 1,2,4,8,16"""
     out: str

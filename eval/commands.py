@@ -27,7 +27,7 @@ from draftsmith.target import load as target_load
 
 def eval_config(args: EvalArgs | CompareArgs) -> EvalConfig:
     """The eval stage's settings the flags give (the flags mirror EvalConfig's fields)."""
-    names = ("k", "num_prompts", "max_new_tokens", "temperature", "top_p", "tree", "dtype")
+    names = ("k", "num_prompts", "max_new_tokens", "temperature", "top_p", "tree", "dtype", "thinking")
     return EvalConfig(**{name: getattr(args, name) for name in names})
 
 

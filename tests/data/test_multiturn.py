@@ -293,3 +293,14 @@ def test_every_data_step_accounts_for_what_went_in_and_what_was_dropped(tiny_tar
     recorded = json.loads((run / "data.json").read_text())
     assert recorded["regenerated"]["conversations"] == 3 and recorded["regenerated"]["answers"] == 6
     assert recorded["dataset"]["records"] == recorded["regenerated"]["lines"]
+
+
+def test_eval_renders_its_prompts_in_the_thinking_mode_asked_and_says_so(tiny_target_dir, chat_jsonl, tmp_path):
+    from draftsmith.cli import main
+
+    for mode, said in (("off", "off"), ("", "template default")):
+        out = tmp_path / f"eval-{mode or 'default'}"
+        args = ["eval", "--drafter", "none", "--data", str(chat_jsonl), "--target", str(tiny_target_dir)]
+        assert main([*args, "--num-prompts", "1", "--max-new-tokens", "4", "--thinking", mode, "--out", str(out)]) == 0
+        assert json.loads((out / "report.json").read_text())["thinking"] == said
+        assert f"chat template thinking mode: {said}." in (out / "report.md").read_text()
