@@ -35,7 +35,7 @@ def build_dataset(
     """Records -> datasets.Dataset with input_ids, loss_mask, length, idx (the record's number).
     `split`: of a dataset folder or hub dataset (read_records). Malformed records are skipped with
     one summary line (malformed="skip"; all of them malformed is an error) or stop the build at the
-    first ("error"). Examples with no trainable token (e.g. a prompt with no answer) are dropped.
+    first ("error"). Examples with fewer than 3 trainable tokens (e.g. a prompt with no answer) are dropped.
     `chat`: the chat template's switches (data.thinking), under each record's own (`chat_kwargs`).
     The step's accounting is printed in one line and, with `stats`, filled into that dict (`_filter`)."""
     refused = Malformed(spec, malformed)
@@ -108,7 +108,7 @@ def _filter(ds: datasets.Dataset, spec: str, records: list, refused: Malformed, 
         "tokens_cut": sum(ds["cut"]),
         "dropped": {
             "malformed": {"count": len(refused.reasons), "first": refused.reasons[:3]},
-            "no_trained_token": {"count": len(empty), "first": empty[:3]},
+            "under_3_trained_tokens": {"count": len(empty), "first": empty[:3]},
         },
     }
     if stats is not None:
@@ -130,11 +130,11 @@ def account_line(spec: str, c: dict) -> str:
     )
     if c["cut_at_max_length"]:
         line += f"; {c['cut_at_max_length']} cut at data.max_length ({c['tokens_cut']:,} tokens)"
-    bad, empty = c["dropped"]["malformed"], c["dropped"]["no_trained_token"]
+    bad, empty = c["dropped"]["malformed"], c["dropped"]["under_3_trained_tokens"]
     dropped = [f"{bad['count']} malformed"] if bad["count"] else []
     if empty["count"]:
         first = ", ".join(empty["first"]) + (", ..." if empty["count"] > len(empty["first"]) else "")
-        dropped.append(f"{empty['count']} with no trained token within data.max_length ({first})")
+        dropped.append(f"{empty['count']} with fewer than 3 trained tokens within data.max_length ({first})")
     return line + (f"; dropped {' and '.join(dropped)}" if dropped else "; nothing dropped")
 
 

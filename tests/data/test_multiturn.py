@@ -273,10 +273,13 @@ def test_every_data_step_accounts_for_what_went_in_and_what_was_dropped(tiny_tar
         "cut_at_max_length": 1,
     }
     assert stats["dropped"]["malformed"]["count"] == 1 and f"{data}:3" in stats["dropped"]["malformed"]["first"][0]
-    assert stats["dropped"]["no_trained_token"] == {"count": 1, "first": [f"{data}:2"]}
+    assert stats["dropped"]["under_3_trained_tokens"] == {"count": 1, "first": [f"{data}:2"]}
     assert 0 < stats["loss_tokens"] < stats["tokens"] and stats["tokens_cut"] > 0
     line = [l for l in capsys.readouterr().err.splitlines() if l.startswith(f"{data}: 4 records")][0]
-    assert "-> 2 examples (2 answers)" in line and f"1 with no trained token within data.max_length ({data}:2)" in line
+    assert (
+        "-> 2 examples (2 answers)" in line
+        and f"1 with fewer than 3 trained tokens within data.max_length ({data}:2)" in line
+    )
     # A training run records both steps, regeneration's included, in RUN/data.json.
     chats = _write(tmp_path / "chats.jsonl")
     run = train(
