@@ -45,7 +45,9 @@ def build_dataset(
         exact = lambda row, where: tokenized_example(row, len(tok), max_length, where)  # noqa: E731
         examples = [(n, refused.keep(exact, row, where)) for n, (where, row) in enumerate(records)]
         refused.report(len(records))
-        kept = datasets.Dataset.from_list([{**ex, "idx": n} for n, ex in examples if ex is not None])
+        kept = datasets.Dataset.from_list(
+            [{**ex, **mask_counts(ex), "idx": n, "refused": ""} for n, ex in examples if ex is not None]
+        )
         return _filter(kept, spec, records, refused, stats)
     convert = lambda row, where: (to_messages(row, where), chat_kwargs(row, chat, where))  # noqa: E731
     items = [(n, where, refused.keep(convert, row, where)) for n, (where, row) in enumerate(records)]
@@ -73,7 +75,7 @@ def build_dataset(
             out, reason = tokenize_example(tok, item, max_length, ex["where"], json.loads(ex["chat"])), ""
         except DraftsmithError as e:
             out, reason = {"input_ids": [], "loss_mask": [], "cut": 0}, str(e)
-        return {**out, "length": len(out["input_ids"]), "refused": reason}
+        return {**out, **mask_counts(out), "length": len(out["input_ids"]), "refused": reason}
 
     ds = ds.map(
         encode, remove_columns=["item", "where", "chat"], num_proc=num_proc if num_proc > 1 else None, desc="tokenize"
@@ -82,21 +84,21 @@ def build_dataset(
         if reason:
             refused.refuse(reason)
     refused.report(len(records))
-    ds = ds.filter(lambda ex: not ex["refused"]).remove_columns("refused")  # counted as malformed above
-    return _filter(ds, spec, records, refused, stats)
+    return _filter(ds, spec, records, refused, stats)  # refused records have no token: dropped there
 
 
-def _spans(mask: list[int]) -> int:
-    """Runs of trained tokens: one per answer."""
-    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+def mask_counts(ex: dict) -> dict:
+    """An example's trained tokens and its runs of them (one per answer): `_filter`, `data inspect`."""
+    mask = ex["loss_mask"]
+    return {"trained": sum(mask), "spans": sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))}
 
 
 def _filter(ds: datasets.Dataset, spec: str, records: list, refused: Malformed, stats: dict | None) -> datasets.Dataset:
     """Drop the examples with no trainable token, then account for the data step: one line (printed)
     and `stats` (recorded by the caller): records in, examples out, answers, tokens and those that
     carry loss, and every record dropped, by reason, the first ones with file:line."""
-    ds = ds.map(lambda ex: {"trained": sum(ex["loss_mask"]), "spans": _spans(ex["loss_mask"])}, desc="count")
-    empty = [records[i][0] for i, t in zip(ds["idx"], ds["trained"]) if t <= 2]
+    # (records the template refused are counted as malformed already)
+    empty = [records[i][0] for i, t, r in zip(ds["idx"], ds["trained"], ds["refused"]) if t <= 2 and not r]
     ds = ds.filter(lambda ex: ex["trained"] > 2)
     counts = {
         "records": len(records),
@@ -118,7 +120,7 @@ def _filter(ds: datasets.Dataset, spec: str, records: list, refused: Malformed, 
         raise DraftsmithError(
             f"{spec}: no examples left after filtering (need assistant tokens within data.max_length)"
         )
-    return ds.remove_columns(["trained", "spans", "cut"])
+    return ds.remove_columns(["trained", "spans", "cut", "refused"])
 
 
 def account_line(spec: str, c: dict) -> str:

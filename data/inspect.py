@@ -8,6 +8,7 @@ from rich.text import Text
 from transformers import AutoTokenizer
 
 from draftsmith import DraftsmithError
+from draftsmith.data.batching import mask_counts
 from draftsmith.data.load import encode_record, located_records, thinking_kwargs
 from draftsmith.target.load import resolve_target
 
@@ -41,9 +42,9 @@ def print_example(where: str, ex: dict, method: str, tok) -> None:
     text = Text()
     for token, trained in zip(ex["input_ids"], ex["loss_mask"]):
         text.append(tok.decode([token]), style="bold green" if trained else "dim")
-    trained = sum(ex["loss_mask"])
     # Spans of trained tokens: one per answer (a multi-turn record trains every regenerated turn).
-    spans = sum(1 for i, m in enumerate(ex["loss_mask"]) if m and (i == 0 or not ex["loss_mask"][i - 1]))
+    counts = mask_counts(ex)
+    trained, spans = counts["trained"], counts["spans"]
     dropped = "; training drops it (no assistant tokens within data.max_length)" if trained <= 2 else ""
     console = Console()
     console.print(text, soft_wrap=True)

@@ -57,6 +57,18 @@ class AcceptAll(Sampler):
         return True
 
 
+def assert_samples_losslessly(target, proposer):
+    """Speculative sampling with `proposer` (K=3, temperature 1) keeps target-only sampling's
+    distribution; accepting every draft, with half the samples, does not (the negative control)."""
+    ref = _reference(target, 1.0, 1.0)
+    spec = _collect(lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), Sampler(1.0, 1.0, seed=s)))
+    assert chi_square_p(ref, spec) > 1e-3
+    broken = _collect(
+        lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), AcceptAll(1.0, 1.0, seed=s)), N // 2
+    )
+    assert chi_square_p(ref, broken) < 1e-3
+
+
 @pytest.mark.chi_square
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_speculative_sampling_matches_target_distribution(peaked_target, temperature, top_p):
@@ -107,10 +119,4 @@ def test_block_drafters_sample_losslessly(peaked_target, family):
     )
     data = {"input_ids": [list(range(target.config.vocab_size))], "loss_mask": [[1] * target.config.vocab_size]}
     proposer = module.make_proposer(module.build(cfg, target, data).eval(), target, cfg)
-    ref = _reference(target, 1.0, 1.0)
-    spec = _collect(lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), Sampler(1.0, 1.0, seed=s)))
-    assert chi_square_p(ref, spec) > 1e-3
-    broken = _collect(
-        lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), AcceptAll(1.0, 1.0, seed=s)), N // 2
-    )
-    assert chi_square_p(ref, broken) < 1e-3
+    assert_samples_losslessly(target, proposer)

@@ -14,17 +14,8 @@ from draftsmith.eval.drafters import Resolved
 from draftsmith.eval.run import evaluate
 from draftsmith.models import dflash
 from draftsmith.ship.export import export, export_family, init_weights
-from draftsmith.target.features import target_features
+from tests.models.conftest import block_feats, train_on_random_tokens
 from tests.ship.test_export import _same_decoding, _save
-
-
-@pytest.fixture(scope="module")
-def target4(tmp_path_factory):
-    """A tiny random 4-layer target: three distinct ctx layers below the last one."""
-    from draftsmith.target.load import load_target
-    from tests.conftest import save_target
-
-    return load_target(str(save_target(tmp_path_factory.mktemp("tiny4"), layers=4)), "fp32")[0]
 
 
 def _cfg(**kw):
@@ -32,9 +23,7 @@ def _cfg(**kw):
 
 
 def _feats(target, cfg, ids):
-    return target_features(
-        target, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, dflash.feature_names(cfg, target.config)
-    )
+    return block_feats(dflash, target, cfg, ids)
 
 
 def test_block_mask_sees_ctx_before_the_anchor_and_its_whole_block():
@@ -98,21 +87,8 @@ def test_training_learns_and_greedy_stays_lossless(target4, extra):
     torch.manual_seed(0)
     cfg = _cfg(num_layers=1, num_anchors=8, **extra)
     d = dflash.build(cfg, target4)
-    ids = torch.randint(5, 60, (2, 24))
-    lmask = torch.ones_like(ids)
-    lmask[:, :4] = 0
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": lmask}
-    feats = _feats(target4, cfg, ids)
-    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
-    accs = []
-    for _ in range(40):
-        loss, n, m = dflash.compute_loss(d, target4, batch, feats, cfg)
-        assert int(n) == 16 and set(m) == {"acc", "acc1", "acc2"}
-        (loss / n).backward()
-        opt.step()
-        opt.zero_grad()
-        accs.append((m["acc"] / n).item())
-    assert accs[-1] > accs[0] + 0.3
+    ids, log = train_on_random_tokens(dflash, d, target4, cfg, 40, {"acc", "acc1", "acc2"})
+    assert log[-1]["acc"] > log[0]["acc"] + 0.3
     prompt = ids[0, :8].tolist()
     proposer = dflash.make_proposer(d.eval(), target4, cfg)
     stats = Stats(k=3)

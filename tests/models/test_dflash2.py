@@ -17,19 +17,10 @@ from draftsmith.engine.speculative import Sampler, Stats, speculative_greedy, ta
 from draftsmith.models import dflash, dflash2
 from draftsmith.models.folder import load_state
 from draftsmith.ship.export import export, export_family, init_weights
-from draftsmith.target.features import target_features
+from tests.models.conftest import block_feats, train_on_random_tokens
 from tests.ship.test_export import _same_decoding, _save
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def target4(tmp_path_factory):
-    """A tiny random 4-layer target: three distinct ctx layers below the last one."""
-    from draftsmith.target.load import load_target
-    from tests.conftest import save_target
-
-    return load_target(str(save_target(tmp_path_factory.mktemp("tiny4"), layers=4)), "fp32")[0]
 
 
 def _cfg(**kw):
@@ -38,11 +29,7 @@ def _cfg(**kw):
 
 
 def _feats(target, cfg, ids):
-    return target_features(
-        target,
-        {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-        dflash2.FAMILY.feature_names(cfg, target.config),
-    )
+    return block_feats(dflash2, target, cfg, ids)
 
 
 def _strong(d, scale=1.0, seed=1):
@@ -206,20 +193,8 @@ def test_training_learns_and_greedy_stays_lossless(target4, extra):
     torch.manual_seed(0)
     cfg = _cfg(num_layers=1, num_anchors=8, **extra)
     d = dflash2.build(cfg, target4)
-    ids = torch.randint(5, 60, (2, 24))
-    lmask = torch.ones_like(ids)
-    lmask[:, :4] = 0
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": lmask}
-    feats = _feats(target4, cfg, ids)
-    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
-    log = []
-    for _ in range(30):
-        loss, n, m = dflash2.compute_loss(d, target4, batch, feats, cfg)
-        assert int(n) == 16 and set(m) == {"acc", "acc1", "acc2", "sel_ce", "sel_acc", "coverage"}
-        (loss / n).backward()
-        opt.step()
-        opt.zero_grad()
-        log.append({k: (v / n).item() for k, v in m.items()})
+    metrics = {"acc", "acc1", "acc2", "sel_ce", "sel_acc", "coverage"}
+    ids, log = train_on_random_tokens(dflash2, d, target4, cfg, 30, metrics)
     assert log[-1]["sel_ce"] < log[0]["sel_ce"] and log[-1]["coverage"] >= log[0]["coverage"]
     assert log[-1]["sel_acc"] > log[0]["sel_acc"]
     assert d.candidate_selector.hidden_projection.weight.abs().max() > 0  # it trained (it starts at zero)
@@ -249,20 +224,13 @@ def test_sampled_selector_chains_are_lossless(peaked_target):
     """Draft i is sampled from the selector's q_i on its top-k, which depends on the drafts before it:
     the rule only needs q_i known, so the output keeps the target's distribution (chi-square against
     target-only sampling); accepting every draft does not (the negative control)."""
-    from draftsmith.engine.speculative import speculative_sample
-    from tests.engine.test_sampling import PROMPT, AcceptAll, N, _collect, _reference, chi_square_p
+    from tests.engine.test_sampling import assert_samples_losslessly
 
     target = peaked_target
     torch.manual_seed(0)
     cfg = dflash2.DrafterConfig(aux_layers=[0], block_size=4, conv_group_size=8, selector_rank=4, selector_top_k=4)
     proposer = dflash2.make_proposer(_strong(dflash2.build(cfg, target).eval(), scale=0.7), target, cfg)
-    ref = _reference(target, 1.0, 1.0)
-    spec = _collect(lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), Sampler(1.0, 1.0, seed=s)))
-    assert chi_square_p(ref, spec) > 1e-3
-    broken = _collect(
-        lambda s: speculative_sample(target, proposer, PROMPT, 3, 3, set(), AcceptAll(1.0, 1.0, seed=s)), N // 2
-    )
-    assert chi_square_p(ref, broken) < 1e-3
+    assert_samples_losslessly(target, proposer)
 
 
 def test_speculators_export_is_what_vllm_reads_and_round_trips(target4, tmp_path):
