@@ -86,11 +86,10 @@ def layer_plan(names, config) -> LayerPlan:
 
 
 def engine_flags(target: str, plan: LayerPlan, storage: Path, dtype: str, max_model_len: int, extra=()) -> list[str]:
-    """`vllm serve`-style flags for the capture engine. As draftsmith's servers (target/vllm_server.py
-    `server_args`): eager, 0.4 of GPU memory, on CPU an explicit KV cache, no prefix caching (every
-    token computed, none read from another request's blocks). `extra` comes last and overrides, e.g.
-    --tensor-parallel-size 8 --gpu-memory-utilization 0.85."""
-    from draftsmith.target.vllm_server import CPU_KV_CACHE_BYTES
+    """The capture engine's flags: draftsmith's engine flags (`vllm_server.engine_args`), the
+    extract_hidden_states method tapping `plan`'s layers and the connector writing to `storage`.
+    `extra` comes last and overrides, e.g. --tensor-parallel-size 8 --gpu-memory-utilization 0.85."""
+    from draftsmith.target.vllm_server import engine_args
 
     spec = {
         "method": "extract_hidden_states",
@@ -102,12 +101,7 @@ def engine_flags(target: str, plan: LayerPlan, storage: Path, dtype: str, max_mo
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(storage)},
     }
-    flags = ["--model", str(target), "--dtype", dtype, "--enforce-eager", "--gpu-memory-utilization", "0.4"]
-    flags += ["--max-model-len", str(max_model_len), "--no-enable-prefix-caching", "--seed", "0"]
-    if not torch.cuda.is_available():
-        flags += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
-    flags += ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(transfer)]
-    return flags + [str(a) for a in extra]
+    return engine_args(str(target), dtype, max_model_len, spec, ("--kv-transfer-config", json.dumps(transfer), *extra))
 
 
 def capture(

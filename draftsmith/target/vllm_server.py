@@ -128,6 +128,30 @@ def startup_error(log: str) -> str:
     return causes[-1] if causes else (log.strip().splitlines() or ["no output"])[-1].strip()
 
 
+def engine_args(
+    model: str,
+    dtype: str = "float32",
+    max_model_len: int = 2048,
+    speculative: dict | None = None,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """vLLM engine flags, for a server or an offline engine. enforce-eager: no graph capture (none
+    exists on CPU, and it costs start-up on GPU for a check); memory utilisation 0.4: the default 0.92
+    is refused on a 24 GB CPU machine; on CPU an explicit KV cache (CPU_KV_CACHE_BYTES) instead of 40 %
+    of RAM per server; no prefix caching: every measured request pays its own prefill, in every engine
+    and run alike. `extra` passes through unchanged and comes last, so it overrides (e.g.
+    --tensor-parallel-size 8)."""
+    import torch
+
+    args = ["--model", model, "--dtype", dtype, "--enforce-eager", "--gpu-memory-utilization", "0.4"]
+    args += ["--max-model-len", str(max_model_len), "--no-enable-prefix-caching", "--seed", "0"]
+    if not torch.cuda.is_available():
+        args += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
+    if speculative:
+        args += ["--speculative-config", json.dumps(speculative)]
+    return args + [str(a) for a in extra]
+
+
 def server_args(
     model: str,
     port: int,
@@ -136,36 +160,8 @@ def server_args(
     speculative: dict | None = None,
     extra: tuple[str, ...] = (),
 ) -> list[str]:
-    """`api_server` flags. enforce-eager: no graph capture (none exists on CPU, and it costs start-up
-    on GPU for a check); memory utilisation 0.4: the default 0.92 is refused on a 24 GB CPU machine;
-    on CPU an explicit KV cache (CPU_KV_CACHE_BYTES) instead of 40 % of RAM per server; no prefix
-    caching: every measured request pays its own prefill, in every engine and run alike. `extra`
-    passes through unchanged and comes last, so it overrides (e.g. --tensor-parallel-size 8)."""
-    import torch
-
-    args = [
-        "--model",
-        model,
-        "--dtype",
-        dtype,
-        "--enforce-eager",
-        "--gpu-memory-utilization",
-        "0.4",
-        "--max-model-len",
-        str(max_model_len),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--no-enable-prefix-caching",
-        "--seed",
-        "0",
-    ]
-    if not torch.cuda.is_available():
-        args += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
-    if speculative:
-        args += ["--speculative-config", json.dumps(speculative)]
-    return args + list(extra)
+    """`api_server` flags: the engine's (`engine_args`) on 127.0.0.1:`port`."""
+    return ["--host", "127.0.0.1", "--port", str(port), *engine_args(model, dtype, max_model_len, speculative, extra)]
 
 
 @contextmanager
