@@ -2,8 +2,8 @@
 # Set up (idempotent, vLLM's environment included), then run the whole suite: unit tests on tiny
 # random models (in parallel), then the `vllm` tests against a real vLLM server with, beside them, the
 # `integration` tests on the real embedded smollm2-135m (a shortened quickstart, in the precision
-# `auto` picks for this CPU) and the `chi_square` sampling tests. Each phase prints its wall time; a
-# failure fails the run after every phase has run.
+# `auto` picks for this CPU), the `chi_square` sampling tests and the `script` tests. Each phase
+# prints its wall time; a failure fails the run after every phase has run.
 # Arguments, if any, go to one plain pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,24 +36,24 @@ phase "unit tests" env OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n auto -
   -m "not integration and not vllm and not chi_square and not script and not cpu_adam" --durations=25 || failed=1
 
 # A real vLLM server on loopback (.venv-vllm): EAGLE-3 end to end, a broken export, regeneration
-# (multi-turn too). The other families' checks and the real server's Ctrl-C clean-up are
-# `-m vllm_families` (about 10 more server starts).
-# A vLLM server and the test waiting on it take turns, so these keep about one core busy; the
-# integration tests (the real embedded smollm2-135m, a shortened quickstart) and the chi-square
-# sampling tests run beside them, and the script tests (gpu-check.sh's CPU dry path) after the vLLM
-# ones in the same pytest run (one interpreter start fewer), so that both lanes take about as long.
+# (multi-turn too), feature capture. The other families' checks and the real server's Ctrl-C clean-up
+# are `-m vllm_families` (about 10 more server starts).
+# A vLLM server and the test waiting on it take turns, so these keep about one core busy; beside them
+# run, in one pytest run (one interpreter start), the integration tests (the real embedded
+# smollm2-135m, a shortened quickstart), the chi-square sampling tests and the script tests
+# (gpu-check.sh's CPU dry path), so that both lanes take about as long.
 # Each runs in one torch thread: with two threads each, OpenMP's spinning waits made vLLM and
 # integration side by side take twice as long as one after the other.
 export OMP_NUM_THREADS=1
 side_by_side=$SECONDS
 beside_log=$(mktemp)
-phase "integration and chi-square tests" .venv/bin/python -m pytest -q \
-  -m "integration or (chi_square and not vllm)" --durations=5 > "$beside_log" 2>&1 &
+phase "integration, chi-square and script tests" .venv/bin/python -m pytest -q \
+  -m "integration or (chi_square and not vllm) or script" --durations=5 > "$beside_log" 2>&1 &
 beside_pid=$!
-phase "vllm and script tests" env DRAFTSMITH_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q \
-  -m "(vllm and not vllm_families) or (script and not integration)" --durations=5 || failed=1
+phase "vllm tests" env DRAFTSMITH_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q \
+  -m "vllm and not vllm_families" --durations=5 || failed=1
 wait "$beside_pid" || failed=1
 cat "$beside_log"
 rm -f "$beside_log"
-echo "[time] vllm and script tests with the integration and chi-square tests beside them: $((SECONDS - side_by_side)) s"
+echo "[time] vllm tests with the integration, chi-square and script tests beside them: $((SECONDS - side_by_side)) s"
 exit "$failed"

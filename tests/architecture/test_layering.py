@@ -72,9 +72,13 @@ def test_every_module_lives_in_a_room():
     covered = {ROOT / folder for folder, _ in {**ROOMS, **TOP}.values()}
     loose = [
         p.relative_to(ROOT).as_posix()
-        for p in sorted(ROOT.glob("*/**/*.py"))
-        if p.parts[len(ROOT.parts)] not in ("tests", "scripts", "checkpoints", "recipes")
-        and not p.is_relative_to(ROOT / "draftsmith" / "__init__.py")
+        # Top-level folders first: globbing from the root would walk the virtual environments too.
+        for top in sorted(ROOT.iterdir())
+        if top.is_dir()
+        and top.name not in ("tests", "scripts", "checkpoints", "recipes")
+        and not top.name.startswith(".")
+        for p in sorted(top.glob("**/*.py"))
+        if not p.is_relative_to(ROOT / "draftsmith" / "__init__.py")
         and not any(p == c or p.is_relative_to(c) for c in covered)
         and not any(part.startswith(".") or part.endswith(".egg-info") for part in p.parts)
     ]

@@ -12,7 +12,7 @@ from draftsmith.engine.proposers import Proposer
 from draftsmith.engine.speculative import Sampler, Stats, speculative_decode, target_decode, target_greedy
 from draftsmith.engine.verify import AdaptiveCosts, adaptive_draft, adaptive_prefixes, survival
 from tests.engine.test_sampling import PROMPT as SAMPLING_PROMPT
-from tests.engine.test_sampling import _collect, _reference, chi_square_p
+from tests.engine.test_sampling import N, _collect, _reference, chi_square_p
 from tests.engine.test_speculative import PROMPT, OracleProposer
 
 
@@ -224,10 +224,10 @@ def test_adaptive_sampling_keeps_the_target_distribution(peaked_target):
     """Lossless when each c_i is known before draft i is drawn: whether draft i is verified then depends
     on drafts < i only (for one request the budget rule is a stopping rule, see `adaptive_prefixes`), so
     a verified draft is still distributed as its q. A confidence that peeks at its own draft verifies
-    only the drafts it likes, and the test notices (p 6e-7 with 300 samples)."""
+    only the drafts it likes, and the test notices (p 4e-10 with 300 samples)."""
     target, stats = peaked_target, Stats(k=3)
-    spec = _adaptive_samples(target, SampledConfident(target), 400, stats)
+    spec = _adaptive_samples(target, SampledConfident(target), N, stats)
     assert 0 < stats.proposed < 3 * stats.passes  # the confidences did cut some chains, not all
     ref = _reference(target, 1.0, 1.0)
     assert chi_square_p(ref, spec) > 1e-3
-    assert chi_square_p(ref, _adaptive_samples(target, SampledConfident(target, peek=True), 300)) < 1e-3
+    assert chi_square_p(ref, _adaptive_samples(target, SampledConfident(target, peek=True), N)) < 1e-3

@@ -353,8 +353,11 @@ def test_sampled_hybrid_matches_target_distribution(peaked_target):
     hybrid = HybridProposer(
         NgramProposer(), eagle.make_proposer(eagle.build(eagle.DrafterConfig(), target), target, eagle.DrafterConfig())
     )
-    spec = _collect(lambda s: speculative_decode(target, hybrid, PROMPT, 3, 3, set(), Sampler(1.0, 1.0, seed=s)))
-    assert chi_square_p(_reference(target, 1.0, 1.0), spec) > 1e-3
+    # The prompt, then the target's greedy continuation, then the prompt again: wherever the first
+    # sampled token is the greedy one, its last 3 tokens recur and the lookup drafts; otherwise the model.
+    prompt = PROMPT + target_decode(target, PROMPT, 8, set()) + PROMPT
+    spec = _collect(lambda s: speculative_decode(target, hybrid, prompt, 3, 3, set(), Sampler(1.0, 1.0, seed=s)))
+    assert chi_square_p(_reference(target, 1.0, 1.0, prompt), spec) > 1e-3
     assert hybrid.draft_sources["lookup"] > 0 and hybrid.draft_sources["model"] > 0
 
 
