@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.models import distill, eagle, eagle3, medusa
+from draftsmith.models import dflash, dflash2, distill, dspark, eagle, eagle3, medusa, peagle
 from draftsmith.models.folder import load_state, save_drafter
 from draftsmith.ship.export import export, init_weights
 from draftsmith.target.load import fingerprint
@@ -18,6 +18,10 @@ CASES = [
     (eagle3, eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=40), ["sglang", "speculators"]),
     (medusa, medusa.DrafterConfig(num_heads=2, draft_vocab_size=30, original_lm_head=True), ["vllm"]),
     (distill, distill.DrafterConfig(num_layers=1), ["hf"]),
+    (peagle, peagle.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=40, depths=3), ["speculators"]),
+    (dflash, dflash.DrafterConfig(aux_layers=[0], block_size=4), ["speculators"]),
+    (dspark, dspark.DrafterConfig(aux_layers=[0], block_size=4, markov_rank=8), ["speculators"]),
+    (dflash2, dflash2.DrafterConfig(aux_layers=[0], block_size=4, selector_rank=8, selector_top_k=4), ["speculators"]),
 ]
 
 
