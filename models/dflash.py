@@ -58,6 +58,7 @@ from draftsmith.models.training import (
     layer_activation_bytes,
     mask_token,
     target_label_rows,
+    unwrap,
 )
 from draftsmith.target.features import draft_embeddings
 from draftsmith.target.load import served_name
@@ -346,7 +347,7 @@ def block_targets(target, batch: dict, feats: dict, cfg, keep_soft: bool) -> Blo
 def forward_inputs(drafter, target, feats: dict, cfg, blocks: Blocks) -> tuple:
     """The training forward's inputs: (ctx features [Bz, T, A*H], their positions [Bz, T], the packed
     block embeddings [Bz, M, H], their positions, the mask), in the drafter's dtype."""
-    core = getattr(drafter, "module", drafter)
+    core = unwrap(drafter)
     # The mask's keys are [T ctx ; M block slots] (block_inputs).
     bsz, m = blocks.block_ids.shape
     t = blocks.mask.shape[-1] - m

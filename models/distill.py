@@ -32,7 +32,7 @@ from draftsmith.engine.proposers import StudentProposer
 from draftsmith.models.family import Family
 from draftsmith.models.formats import vllm_method, vllm_snippet
 from draftsmith.models.known import model_config
-from draftsmith.models.training import layer_activation_bytes, lora_config
+from draftsmith.models.training import layer_activation_bytes, lora_config, unwrap
 from draftsmith.target.features import target_features, unpack_topk
 from draftsmith.util.losses import DIVERGENCES, expected_acceptance
 
@@ -243,7 +243,7 @@ def compute_loss(student, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     if cfg.onpolicy_fraction and step % cfg.onpolicy_every == 0:
         # On-policy: the student answers some prompts itself; the target scores those answers, so
         # its features are computed here for the new batch (a cache holds the dataset's answers only).
-        core = getattr(student, "module", student)  # generation runs outside DDP's forward
+        core = unwrap(student)  # generation runs outside DDP's forward
         batch = on_policy_batch(
             core,
             batch,

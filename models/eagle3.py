@@ -41,7 +41,7 @@ from draftsmith.models.formats import (
     vllm_snippet,
     write_tensors,
 )
-from draftsmith.models.training import draft_vocab, target_label_rows
+from draftsmith.models.training import draft_vocab, target_label_rows, unwrap
 from draftsmith.target.features import draft_embeddings, target_features
 from draftsmith.target.load import resolve_target, served_name
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, topk_distillation_loss
@@ -323,7 +323,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     batch: input_ids, attention_mask, loss_mask [B, T]; feats: `feature_names` -> [B, T, H].
     """
     ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-    core = getattr(drafter, "module", drafter)  # DDP wraps the module
+    core = unwrap(drafter)
     names = feature_names(cfg, target.config)
     seq, t = ids.shape[1], ids.shape[1] - 1
     roots = torch.arange(t, device=ids.device)

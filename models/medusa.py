@@ -40,7 +40,7 @@ from draftsmith.engine.proposers import Proposer
 from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import vllm_snippet, write_tensors
-from draftsmith.models.training import draft_vocab, layer_activation_bytes, lora_config
+from draftsmith.models.training import draft_vocab, layer_activation_bytes, lora_config, unwrap
 from draftsmith.target.features import target_features
 from draftsmith.target.load import freeze
 from draftsmith.util.losses import forward_kl, soft_cross_entropy
@@ -360,7 +360,7 @@ def compute_loss(model, target, batch: dict, feats: dict, cfg: DrafterConfig, st
     lambda0(step) * sum_k decay^k CE_k; heads only (no KL) before `heads_only_steps`.
     """
     ids, lmask = batch["input_ids"], batch["loss_mask"].bool()
-    core = getattr(model, "module", model)  # DDP wraps the module
+    core = unwrap(model)
     heads = core.heads if isinstance(core, Medusa2) else core
     # Head k at position t predicts token t+k+2: its inputs are positions t with token t+k+2 trained
     # (loss mask), i.e. the nonzeros of lmask[:, k+2:] indexed by t.

@@ -47,7 +47,7 @@ from draftsmith.models.eagle3 import build as build_eagle3
 from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import from_exported_head, renamed
-from draftsmith.models.training import mask_token
+from draftsmith.models.training import mask_token, unwrap
 from draftsmith.target.features import draft_embeddings
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss
 from draftsmith.util.masks import causal_mask
@@ -163,7 +163,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     and mask; n_tokens counts the real (depth-0) slots, so each depth weighs by its slot count (as
     speculators' plain average over slots, up to a constant). acc{d}: draft d+1's top-1 agreement."""
     ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-    core = getattr(drafter, "module", drafter)
+    core = unwrap(drafter)
     names = feature_names(cfg, target.config)
     t = ids.shape[1] - 1
     with torch.no_grad():

@@ -98,3 +98,18 @@ def test_the_check_sees_a_planted_family_name():
     assert not family_mentions('c = {"eagle_aux_hidden_state_layer_ids": ids}\n', DRAFTERS)  # vLLM's key
     assert family_mentions('c = {"eagle_aux_layers": ids}\n', DRAFTERS)  # ... but only that one
     assert family_mentions('m = getattr(p, "student", p)\n', DRAFTERS) == ["line 1: 'student' (a family's own part)"]
+
+
+def test_no_family_unwraps_a_distributed_wrapper_itself():
+    """DDP and DeepSpeed wrap the drafter; a family reads the module inside through
+    `models/training.py unwrap`, the one place that knows the wrapper's attribute."""
+    wrong = [
+        f"{path.name} line {node.lineno}"
+        for path in sorted((ROOT / "models").glob("*.py"))
+        if path.name != "training.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "getattr"
+        and any(isinstance(a, ast.Constant) and a.value == "module" for a in node.args)
+    ]
+    assert not wrong, wrong
