@@ -45,13 +45,15 @@ class ShardWriter:
     def write_shard(self, examples: dict[int, dict[str, torch.Tensor]]) -> None:
         """examples: example idx -> {name: [n_tokens, H]} (real tokens only; padding is rebuilt on load)."""
         stem = f"shard-{self.prefix}{len(list(self.tmp.glob(f'shard-{self.prefix}[0-9]*.safetensors'))):05d}"
-        tensors = {
-            # a copy each: transformers returns the last layer's output and `last_hidden` as one tensor,
-            # and safetensors refuses tensors that share memory
-            f"{name}.{idx}": t.detach().to("cpu", copy=True).contiguous()
-            for idx, feats in examples.items()
-            for name, t in feats.items()
-        }
+        tensors, seen = {}, set()
+        for idx, feats in examples.items():
+            for name, t in feats.items():
+                t = t.detach().cpu().contiguous()
+                # safetensors refuses two names over one storage (transformers returns the last layer's
+                # output and `last_hidden` as one tensor): the second gets a copy, the first none.
+                storage = t.untyped_storage().data_ptr()
+                tensors[f"{name}.{idx}"] = t.clone() if storage in seen else t
+                seen.add(storage)
         save_file(tensors, self.tmp / f"{stem}.partial")
         (self.tmp / f"{stem}.partial").replace(self.tmp / f"{stem}.safetensors")
 

@@ -372,9 +372,8 @@ def encode_record(tok, row: dict, max_length: int, where: str, chat: dict | None
     `chat`: the chat template's switches from the recipe (data.thinking)."""
     if "completion_ids" in row or "turns" in row:
         spans = len(row.get("turns", [row]))
-        return tokenized_example(
-            row, len(tok), max_length, where
-        ), f"the record's completion_ids ({spans} answer{'s' * (spans != 1)})"
+        source = f"the record's completion_ids ({spans} answer{'s' * (spans != 1)})"
+        return tokenized_example(row, len(tok), max_length, where), source
     item = to_messages(row, where)
     if isinstance(item, str):
         return tokenize_example(tok, item, max_length, where), "plain text (every token trained)"
