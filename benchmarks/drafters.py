@@ -100,13 +100,22 @@ def k_for(label: str, given: list[str]) -> int:
     return int((own or plain or ["5"])[0])
 
 
-def tree_for(label: str, module, given: list[str]) -> str | None:
-    """The tree a drafter is benchmarked with: LABEL=SPEC, else a plain SPEC, else its family's default."""
+# The tree each drafter type is benchmarked with unless --tree names one, by `drafter.type`: EAGLE-2's
+# dynamic tree for heads that condition on their own drafts, static top-k per head for Medusa's.
+DEFAULT_TREES = {
+    "eagle": "dynamic:depth=3,top_k=3,tokens=8",
+    "eagle3": "dynamic:depth=3,top_k=3,tokens=8",
+    "medusa": "static:recipes/trees/medusa-4heads.json",
+}
+
+
+def tree_for(label: str, drafter_type: str, given: list[str]) -> str | None:
+    """The tree a drafter is benchmarked with: LABEL=SPEC, else a plain SPEC, else its type's default."""
     own = [
         g.split("=", 1)[1] for g in given if g.split("=", 1)[0] == label and not g.startswith(("static:", "dynamic"))
     ]
     plain = [g for g in given if g.startswith(("static:", "dynamic"))]
-    return (own or plain or [module.DEFAULT_TREE])[0]
+    return (own or plain or [DEFAULT_TREES.get(drafter_type)])[0]
 
 
 def main(argv=None) -> None:
@@ -173,7 +182,7 @@ def main(argv=None) -> None:
         module, dcfg, drafter = load_drafter(drafters[name], own)
         verifier = module.verifier(drafter, own)
         timed = TimedProposer(module.make_proposer(drafter, verifier, dcfg))
-        tree = tree_for(name, module, args.tree)
+        tree = tree_for(name, meta["drafter"], args.tree)
         trees = [dict(tree=tree)] if tree and timed.drafts_trees else []  # a student drafts chains
         k = k_for(name, args.k)
         runs = [dict(k=k)] + trees

@@ -31,74 +31,15 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from draftsmith.data.features import ShardWriter
 from draftsmith.data.load import answer_points, encode_prompt, load_conversations, require_chat_template
 from draftsmith.data.sharding import Shard
 from draftsmith.target import vllm_server
-from draftsmith.target.features import target_features
+from draftsmith.target.generate import generate_batch
 from draftsmith.target.load import eos_ids
 from draftsmith.util.kernels import packed_linears
 from draftsmith.util.precision import torch_dtype
-
-
-@torch.no_grad()
-def answer_batch(
-    target,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    eos: set[int],
-    pad_id: int,
-    names: tuple[str, ...] = (),
-    temperature: float = 0.0,
-    generator=None,
-):
-    """Answer a batch of tokenized prompts; capture the `names` features of every token fed.
-
-    Returns, per prompt, (completion_ids, {name: [len(prompt) + len(completion), H]}): the answer
-    (ending with an EOS token if the target produced one) and the features of prompt + answer.
-    """
-    device = next(target.parameters()).device
-    width, bsz = max(len(p) for p in prompts), len(prompts)
-    # Left padding puts every row's newest token in the last column, so a decode step feeds [B, 1].
-    feed = torch.full((bsz, width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros(bsz, width, dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):
-        feed[b, width - len(p) :] = torch.tensor(p, device=device)
-        mask[b, width - len(p) :] = 1
-    real = mask.bool()  # which fed columns belong to a row's sequence (not padding, not past its end)
-    cache, answers = DynamicCache(), [[] for _ in prompts]
-    kept = [{n: [] for n in names} for _ in prompts]
-    open_rows = set(range(bsz))  # rows still choosing tokens
-    while True:
-        # Positions count real tokens only, as if each row had been fed unpadded.
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -feed.shape[1] :]
-        feats = target_features(
-            target,
-            {"input_ids": feed, "attention_mask": mask, "position_ids": pos},
-            tuple(dict.fromkeys(names + ("last_hidden",))),
-            cache,
-        )
-        for b in range(bsz):
-            for n in names:
-                kept[b][n].append(feats[n][b, real[b]])
-        if not open_rows:
-            break  # the last chosen tokens have just been fed: their features are captured
-        logits = target.get_output_embeddings()(feats["last_hidden"][:, -1]).float()
-        if temperature > 0:
-            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
-        else:
-            nxt = logits.argmax(-1)
-        real = torch.zeros(bsz, 1, dtype=torch.bool, device=device)
-        for b in sorted(open_rows):
-            answers[b].append(int(nxt[b]))
-            real[b, 0] = True
-            if answers[b][-1] in eos or len(answers[b]) == max_new_tokens:
-                open_rows.discard(b)  # fed once more (for its features), then never again
-        feed = torch.where(real[:, 0], nxt, pad_id)[:, None]
-        mask = torch.cat([mask, real.long()], dim=1)
-    return [(a, {n: torch.cat(k[n]) for n in names}) for a, k in zip(answers, kept)]
 
 
 @dataclass
@@ -226,7 +167,7 @@ def regenerate(
             for r in range(max(len(convs[i].points) for i in batch)):  # answer r of every conversation that has one
                 live = [i for i in batch if r < len(convs[i].points)]
                 prompts = [first[i] if r == 0 else convs[i].prompt(tok, r) for i in live]
-                results = answer_batch(
+                results = generate_batch(
                     target, prompts, max_new_tokens, eos, tok.pad_token_id, names, temperature, generator
                 )
                 if writer:  # features first: a record is only ever written once its features are on disk

@@ -241,18 +241,30 @@ class DFlashDrafter(nn.Module):
         return block_pass(self, embeds, pos, context_kv(self, aux, ctx_pos), mask)
 
 
+def block_defaults(cfg, target_config):
+    """A block drafter's config with its target-dependent defaults made exact (the saved config names
+    the layers and the mask token, whatever the defaults are when it is read back)."""
+    return replace(
+        cfg, aux_layers=aux_layers(cfg, target_config), mask_token_id=mask_token(cfg.mask_token_id, target_config)
+    )
+
+
+def resolve(cfg: DrafterConfig, target_config, init_config: dict | None = None) -> DrafterConfig:
+    """The config a run builds with and saves: the init_from drafter's fields, then `block_defaults`."""
+    if init_config is not None:
+        cfg = from_init(cfg, init_config, target_config)
+    return block_defaults(cfg, target_config)
+
+
 def backbone_config(cfg, target):
-    """Resolve the config's target-dependent defaults in place (the saved config names the exact
-    layers and token) -> the draft layers' LlamaConfig: the target's dimensions and RoPE."""
-    tc = target.config
-    cfg.aux_layers = aux_layers(cfg, tc)
-    cfg.mask_token_id = mask_token(cfg.mask_token_id, tc)
-    config = layer_config(tc)  # the target's dimensions and RoPE (theta, scaling)
+    """A resolved block config -> the draft layers' LlamaConfig: the target's dimensions and RoPE."""
+    config = layer_config(target.config)  # the target's dimensions and RoPE (theta, scaling)
     config.num_hidden_layers = cfg.num_layers
     return config
 
 
 def build(cfg: DrafterConfig, target, dataset=None) -> DFlashDrafter:
+    cfg = resolve(cfg, target.config)
     config = backbone_config(cfg, target)
     return DFlashDrafter(config, len(cfg.aux_layers), config.hidden_size)
 
@@ -650,5 +662,5 @@ FAMILY = Family(
     SERVE_FORMAT=SERVE_FORMAT,
     vllm_serving=vllm_serving,
     consumer_check=consumer_check,
-    from_init=from_init,
+    resolve=resolve,
 )

@@ -207,7 +207,15 @@ class DFlash2Drafter(nn.Module):
         return unary, scores, label, covered
 
 
+def resolve(cfg: DrafterConfig, target_config, init_config: dict | None = None) -> DrafterConfig:
+    """The config a run builds with and saves: the init_from drafter's fields, then DFlash's defaults."""
+    if init_config is not None:
+        cfg = from_init(cfg, init_config, target_config)
+    return dflash.block_defaults(cfg, target_config)
+
+
 def build(cfg: DrafterConfig, target, dataset=None) -> DFlash2Drafter:
+    cfg = resolve(cfg, target.config)
     config = dflash.backbone_config(cfg, target)
     return DFlash2Drafter(config, len(cfg.aux_layers), config.hidden_size, cfg)
 
@@ -390,5 +398,5 @@ FAMILY = Family(
     SERVE_FORMAT=SERVE_FORMAT,
     vllm_serving=vllm_serving,
     consumer_check=dflash.consumer_check,  # speculators' loader; vLLM's: the vllm_families test
-    from_init=from_init,
+    resolve=resolve,
 )

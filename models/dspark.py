@@ -157,7 +157,15 @@ class DSparkDrafter(nn.Module):
         return h, self.markov_bias(e), conf
 
 
+def resolve(cfg: DrafterConfig, target_config, init_config: dict | None = None) -> DrafterConfig:
+    """The config a run builds with and saves: the init_from drafter's fields, then DFlash's defaults."""
+    if init_config is not None:
+        cfg = from_init(cfg, init_config, target_config)
+    return dflash.block_defaults(cfg, target_config)
+
+
 def build(cfg: DrafterConfig, target, dataset=None) -> DSparkDrafter:
+    cfg = resolve(cfg, target.config)
     config = dflash.backbone_config(cfg, target)
     return DSparkDrafter(config, len(cfg.aux_layers), config.hidden_size, cfg)
 
@@ -341,5 +349,5 @@ FAMILY = Family(
     SERVE_FORMAT=SERVE_FORMAT,
     vllm_serving=vllm_serving,
     consumer_check=dflash.consumer_check,  # speculators' loader; vLLM's: the vllm_families test
-    from_init=from_init,
+    resolve=resolve,
 )

@@ -310,9 +310,6 @@ def sglang_snippet(algorithm: str, repo_id: str, target: str, k: int) -> str:
     )
 
 
-DEFAULT_TREE = "dynamic:depth=3,top_k=3,tokens=8"  # benchmarks' tree (EAGLE-2 dynamic)
-
-
 FAMILY = Family(
     NAME=NAME,
     DrafterConfig=DrafterConfig,
@@ -330,5 +327,4 @@ FAMILY = Family(
     serving_snippet=serving_snippet,
     SERVE_FORMAT=SERVE_FORMAT,
     vllm_serving=vllm_serving,
-    DEFAULT_TREE=DEFAULT_TREE,
 )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -173,62 +174,91 @@ def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
     return tuple(f"hidden.{a}" for a in aux_layers(cfg, target_config)) + ("last_hidden",)
 
 
+def add_body(
+    module: nn.Module,
+    config,
+    draft_vocab: int,
+    target_vocab: int,
+    n_aux: int = 3,
+    norm_before_fc: bool = False,
+    fc_norm: bool = False,
+    norm_output: bool = False,
+) -> None:
+    """Register EAGLE-3's body on `module` under vLLM's and speculators' tensor names: fc over the
+    fused target layers, one decoder layer reading [norm(embed); norm(hidden)], the final norm and the
+    draft-vocabulary lm_head with its d2t/t2d maps. EAGLE-3's head and P-EAGLE's (models/peagle.py) are
+    each this body plus their own forward; the functions below act on either."""
+    h, eps = config.hidden_size, config.rms_norm_eps
+    module.config = config
+    # EAGLE-3.1: vLLM's tensor names (`input_norm`, `fc_norm.{i}`); absent when the switch is off.
+    if norm_before_fc:
+        module.input_norm = LlamaRMSNorm(n_aux * h, eps=eps)
+    if fc_norm:
+        module.fc_norm = nn.ModuleList(LlamaRMSNorm(h, eps=eps) for _ in range(n_aux))
+    module.norm_output = norm_output
+    module.fc = nn.Linear(n_aux * h, h, bias=False)
+    module.midlayer = LlamaDecoderLayer(config, layer_idx=0)
+    attn = module.midlayer.self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [norm(embed); norm(hidden)]: 2H wide
+        old = getattr(attn, name)
+        setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+    module.midlayer.hidden_norm = LlamaRMSNorm(h, eps=eps)
+    module.norm = LlamaRMSNorm(h, eps=eps)
+    module.lm_head = nn.Linear(h, draft_vocab, bias=False)
+    module.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+    module.register_buffer("t2d", torch.zeros(target_vocab, dtype=torch.bool))
+    module.rotary = LlamaRotaryEmbedding(config)
+
+
+def fuse(body, aux):
+    """Target features [..., 3H] (fused layers in layer order) -> the drafter's hidden input [..., H]:
+    fc, after EAGLE-3.1's norms when switched on (only target features pass them, as in vLLM)."""
+    if hasattr(body, "input_norm"):
+        aux = body.input_norm(aux)
+    if hasattr(body, "fc_norm"):
+        aux = torch.cat([norm(part) for norm, part in zip(body.fc_norm, aux.chunk(len(body.fc_norm), dim=-1))], -1)
+    return body.fc(aux)
+
+
+def carry(body, out):
+    """What the next draft step is fed: out, or norm(out) under norm_output (vLLM's second output)."""
+    return body.norm(out) if body.norm_output else out
+
+
+def decoder_step(body, hidden, token_embeds, position_ids, attention_mask, cache=None):
+    """One drafter pass. hidden: fused target features or the drafter's own previous output
+    [B, T, H]; token_embeds: [B, T, H] -> output hidden [B, T, H]."""
+    layer = body.midlayer
+    x = torch.cat([layer.input_layernorm(token_embeds), layer.hidden_norm(hidden)], dim=-1)
+    attn, _ = layer.self_attn(
+        x, position_embeddings=body.rotary(hidden, position_ids), attention_mask=attention_mask, cache=cache
+    )
+    h = hidden + attn  # the residual stream is the hidden state, not the embedding
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def draft_logits(body, carried):
+    """Draft-vocab logits from a step's carried output: lm_head always reads norm(out)."""
+    return body.lm_head(carried if body.norm_output else body.norm(carried))
+
+
+def to_target_ids(body, draft_ids):
+    return draft_ids + body.d2t[draft_ids]
+
+
+def target_vocab_logits(body, out):
+    """Draft-vocab logits scattered into the target vocabulary (-inf outside the draft vocab)."""
+    small = draft_logits(body, out)
+    full = small.new_full((*small.shape[:-1], body.t2d.shape[0]), float("-inf"))
+    return full.index_copy_(-1, to_target_ids(body, torch.arange(small.shape[-1], device=small.device)), small)
+
+
 class Eagle3Drafter(nn.Module):
-    def __init__(
-        self,
-        config,
-        draft_vocab: int,
-        target_vocab: int,
-        n_aux: int = 3,
-        norm_before_fc: bool = False,
-        fc_norm: bool = False,
-        norm_output: bool = False,
-    ):
+    """EAGLE-3's head: `add_body`'s parts, run autoregressively over its own outputs."""
+
+    def __init__(self, config, draft_vocab: int, target_vocab: int, **switches):
         super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
-        self.config = config
-        # EAGLE-3.1: vLLM's tensor names (`input_norm`, `fc_norm.{i}`); absent when the switch is off.
-        if norm_before_fc:
-            self.input_norm = LlamaRMSNorm(n_aux * h, eps=eps)
-        if fc_norm:
-            self.fc_norm = nn.ModuleList(LlamaRMSNorm(h, eps=eps) for _ in range(n_aux))
-        self.norm_output = norm_output
-        self.fc = nn.Linear(n_aux * h, h, bias=False)
-        self.midlayer = LlamaDecoderLayer(config, layer_idx=0)
-        attn = self.midlayer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [norm(embed); norm(hidden)]: 2H wide
-            old = getattr(attn, name)
-            setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
-        self.midlayer.hidden_norm = LlamaRMSNorm(h, eps=eps)
-        self.norm = LlamaRMSNorm(h, eps=eps)
-        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
-        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(target_vocab, dtype=torch.bool))
-        self.rotary = LlamaRotaryEmbedding(config)
-
-    def fuse(self, aux):
-        """Target features [..., 3H] (fused layers in layer order) -> the drafter's hidden input [..., H]:
-        fc, after EAGLE-3.1's norms when switched on (only target features pass them, as in vLLM)."""
-        if hasattr(self, "input_norm"):
-            aux = self.input_norm(aux)
-        if hasattr(self, "fc_norm"):
-            aux = torch.cat([norm(part) for norm, part in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], -1)
-        return self.fc(aux)
-
-    def carry(self, out):
-        """What the next draft step is fed: out, or norm(out) under norm_output (vLLM's second output)."""
-        return self.norm(out) if self.norm_output else out
-
-    def step(self, hidden, token_embeds, position_ids, attention_mask, cache=None):
-        """One drafter pass. hidden: fused target features or the drafter's own previous output
-        [B, T, H]; token_embeds: [B, T, H] -> output hidden [B, T, H]."""
-        layer = self.midlayer
-        x = torch.cat([layer.input_layernorm(token_embeds), layer.hidden_norm(hidden)], dim=-1)
-        attn, _ = layer.self_attn(
-            x, position_embeddings=self.rotary(hidden, position_ids), attention_mask=attention_mask, cache=cache
-        )
-        h = hidden + attn  # the residual stream is the hidden state, not the embedding
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        add_body(self, config, draft_vocab, target_vocab, **switches)
 
     def forward(self, aux, embeds, padding, selections):
         """The whole training-time-test unroll in one call (one forward per backward for DDP/FSDP).
@@ -239,46 +269,42 @@ class Eagle3Drafter(nn.Module):
         """
         bsz, t = padding.shape
         roots = torch.arange(t, device=padding.device)
-        hidden, cache, logits = self.fuse(aux), DynamicCache(), []
+        hidden, cache, logits = fuse(self, aux), DynamicCache(), []
         for j, (b_idx, r_idx) in enumerate(selections):
             # Step j of chain r: input token t_{r+j+1} at position r+j, predicting t_{r+j+2}.
-            out = self.carry(
-                self.step(
+            out = carry(
+                self,
+                decoder_step(
+                    self,
                     hidden,
                     embeds[:, j : j + t],
                     (roots + j)[None].expand(bsz, -1),
                     ttt_mask(t, j, padding),
                     cache=cache,
-                )
+                ),
             )
-            logits.append(self.draft_logits(out[b_idx, r_idx]))
+            logits.append(draft_logits(self, out[b_idx, r_idx]))
             hidden = out  # the next step feeds the drafter's own output, as at inference
         return logits
-
-    def draft_logits(self, carried):
-        """Draft-vocab logits from a step's carried output: lm_head always reads norm(out)."""
-        return self.lm_head(carried if self.norm_output else self.norm(carried))
-
-    def to_target_ids(self, draft_ids):
-        return draft_ids + self.d2t[draft_ids]
-
-    def target_vocab_logits(self, out):
-        """Draft-vocab logits scattered into the target vocabulary (-inf outside the draft vocab)."""
-        small = self.draft_logits(out)
-        full = small.new_full((*small.shape[:-1], self.t2d.shape[0]), float("-inf"))
-        return full.index_copy_(-1, self.to_target_ids(torch.arange(small.shape[-1], device=small.device)), small)
 
 
 def max_draft_depth(cfg: DrafterConfig) -> int | None:
     return None  # autoregressive over its own drafts: any chain length or tree depth
 
 
+def resolve(cfg: DrafterConfig, target_config, init_config: dict | None = None) -> DrafterConfig:
+    """The config a run builds with and saves: the init_from head's layers and switches, then the
+    exact aux layers (the saved config names them, whatever the default is when it is read back)."""
+    if init_config is not None:
+        cfg = from_init(cfg, init_config, target_config)
+    return replace(cfg, aux_layers=aux_layers(cfg, target_config))
+
+
 def build(cfg: DrafterConfig, target, dataset=None, drafter_class=None) -> Eagle3Drafter:
     """The head, its draft vocabulary from `dataset` and lm_head warm-started from the target's rows.
-    `drafter_class`: P-EAGLE's, which is this body with another forward."""
+    `drafter_class`: P-EAGLE's, another module on the same body (`add_body`) with another forward."""
     tc = target.config
-    # The saved config names the exact layers, whatever the default is when it is read back.
-    cfg.aux_layers = aux_layers(cfg, tc)
+    cfg = resolve(cfg, tc)
     drafter = (drafter_class or Eagle3Drafter)(
         layer_config(tc),
         min(cfg.draft_vocab_size, tc.vocab_size),
@@ -363,10 +389,10 @@ def make_proposer(drafter, target, cfg: DrafterConfig) -> FeatureProposer:
         drafter,
         target,
         names,
-        to_hidden=lambda feats: drafter.fuse(aux_features(feats, names)),
+        to_hidden=lambda feats: fuse(drafter, aux_features(feats, names)),
         # The proposer keeps each node's carried output: its children's hidden input and its logits.
-        step=lambda *args: drafter.carry(drafter.step(*args)),
-        logits=drafter.target_vocab_logits,
+        step=lambda *args: carry(drafter, decoder_step(drafter, *args)),
+        logits=partial(target_vocab_logits, drafter),
     )
 
 
@@ -623,9 +649,6 @@ def _to_target_vocab(small: torch.Tensor, d2t: torch.Tensor, vocab: int) -> torc
     return small.new_full((small.shape[0], vocab), float("-inf")).index_copy(-1, ids + d2t[ids], small)
 
 
-DEFAULT_TREE = "dynamic:depth=3,top_k=3,tokens=8"  # benchmarks' tree (EAGLE-2 dynamic)
-
-
 FAMILY = Family(
     NAME=NAME,
     DrafterConfig=DrafterConfig,
@@ -644,6 +667,5 @@ FAMILY = Family(
     SERVE_FORMAT=SERVE_FORMAT,
     vllm_serving=vllm_serving,
     consumer_check=consumer_check,
-    from_init=from_init,
-    DEFAULT_TREE=DEFAULT_TREE,
+    resolve=resolve,
 )

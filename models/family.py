@@ -21,8 +21,8 @@ def frozen_target(drafter: torch.nn.Module, target):
     return target
 
 
-def keep_config(cfg, init_config: dict, target_config):
-    """`from_init` of a family whose config does not depend on the drafter it starts from."""
+def keep_config(cfg, target_config, init_config: dict | None = None):
+    """`resolve` of a family whose config depends on neither the target nor the drafter it starts from."""
     return cfg
 
 
@@ -55,7 +55,7 @@ class Family:
     feature_names: Callable  # (cfg, target_config) -> the target features it trains and drafts on
     max_draft_depth: Callable  # (cfg) -> the most draft tokens per round, or None
     # Training: the drafter, its loss, its parameter groups, `plan`'s activation estimate.
-    build: Callable  # (cfg, target, dataset) -> a new drafter
+    build: Callable  # (cfg, target, dataset) -> a new drafter (it leaves cfg as it is)
     rebuild: Callable  # (meta, target) -> the drafter a saved folder describes
     compute_loss: Callable  # (drafter, target, batch, feats, cfg, step) -> (loss sum, count, metrics)
     activation_bytes: Callable  # (cfg, target_config, drafter, batch, length, elem) -> bytes at the peak
@@ -73,11 +73,13 @@ class Family:
     # Optional parts, with the defaults of a family that trains one module beside a frozen target.
     param_groups: Callable = single_group
     verifier: Callable = frozen_target
-    from_init: Callable = keep_config  # (cfg, init_config, target_config) -> cfg for `init_from`
+    # (cfg, target_config, init_config=None) -> the config a run builds with and saves: its
+    # target-dependent defaults made exact and, for `init_from`, the fields of the drafter it starts from.
+    # Pure (a new config); `build` resolves its own copy the same way.
+    resolve: Callable = keep_config
     trains_target: Callable = trains_target_never  # (drafter_config) -> whether it needs its own target copy
     original: Callable = target_as_original  # context: the target before training (staleness, drift)
-    # Benchmarks: the default tree and extra held-out figures.
-    DEFAULT_TREE: str | None = None
+    # Benchmarks: extra held-out figures.
     held_out_metrics: Callable = no_held_out_metrics
 
 

@@ -577,9 +577,6 @@ def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, e
     return act
 
 
-DEFAULT_TREE = "static:recipes/trees/medusa-4heads.json"  # benchmarks' tree: static top-k per head
-
-
 @torch.no_grad()
 def held_out_metrics(drafter, verifier, sequences) -> dict:
     """Per head k: how often its top-1 at position t is token t+k+2 of the verifier's own greedy answer,
@@ -622,6 +619,5 @@ FAMILY = Family(
     verifier=verifier,
     trains_target=trains_target,
     original=original,
-    DEFAULT_TREE=DEFAULT_TREE,
     held_out_metrics=held_out_metrics,
 )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -34,12 +35,16 @@ from draftsmith.engine.drafts import Draft
 from draftsmith.engine.proposers import Proposer
 from draftsmith.models.eagle import unroll_activation_bytes
 from draftsmith.models.eagle3 import (
-    Eagle3Drafter,
+    add_body,
     aux_features,
     aux_layers,
+    decoder_step,
+    draft_logits,
     exported_aux_layers,
     feature_names,
+    fuse,
     speculators_load_check,
+    target_vocab_logits,
     teacher_rows,
     write_speculators,
 )
@@ -87,23 +92,33 @@ def max_draft_depth(cfg: DrafterConfig) -> int | None:
     return cfg.depths  # one pass, one slot per draft position
 
 
-class PEagleDrafter(Eagle3Drafter):
-    """EAGLE-3's body (one decoder layer over [norm(embed); norm(hidden)], its draft vocabulary) plus
-    the learned `mask_hidden` [1, 1, 3H], standard-normal as speculators and SpecForge start it;
-    forward is the one parallel pass (`packed_inputs`), so DDP/FSDP see one forward per backward."""
+class PEagleDrafter(nn.Module):
+    """EAGLE-3's body (models/eagle3.py `add_body`: one decoder layer over [norm(embed); norm(hidden)],
+    its draft vocabulary) plus the learned `mask_hidden` [1, 1, 3H], standard-normal as speculators and
+    SpecForge start it; forward is the one parallel pass (`packed_inputs`), so DDP/FSDP see one forward
+    per backward."""
 
     def __init__(self, config, draft_vocab: int, target_vocab: int, **switches):
-        super().__init__(config, draft_vocab, target_vocab, **switches)
+        super().__init__()
+        add_body(self, config, draft_vocab, target_vocab, **switches)
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, self.fc.in_features))
 
     def forward(self, aux, embeds, mask_embed, padding, chains):
-        return self.step(*packed_inputs(self, aux, embeds, mask_embed, padding, chains))
+        return decoder_step(self, *packed_inputs(self, aux, embeds, mask_embed, padding, chains))
+
+
+def resolve(cfg: DrafterConfig, target_config, init_config: dict | None = None) -> DrafterConfig:
+    """The config a run builds with and saves: the init_from head's fields, then the exact aux layers
+    and mask token (the saved config names them)."""
+    if init_config is not None:
+        cfg = from_init(cfg, init_config, target_config)
+    return replace(
+        cfg, aux_layers=aux_layers(cfg, target_config), mask_token_id=mask_token(cfg.mask_token_id, target_config)
+    )
 
 
 def build(cfg: DrafterConfig, target, dataset=None) -> PEagleDrafter:
-    cfg.aux_layers = aux_layers(cfg, target.config)  # the saved config names the exact layers and token
-    cfg.mask_token_id = mask_token(cfg.mask_token_id, target.config)
-    return build_eagle3(cfg, target, dataset, drafter_class=PEagleDrafter)
+    return build_eagle3(resolve(cfg, target.config), target, dataset, drafter_class=PEagleDrafter)
 
 
 def rebuild(meta: dict, target):
@@ -140,7 +155,7 @@ def packed_inputs(core, aux, embeds, mask_embed, padding, chains):
     bsz, t, h = aux.shape[0], aux.shape[1], core.fc.out_features
     m = max((len(c) for c in chains), default=0)
     device = aux.device
-    hidden = torch.cat([core.fuse(aux), core.fuse(core.mask_hidden).expand(bsz, m, h)], dim=1)
+    hidden = torch.cat([fuse(core, aux), fuse(core, core.mask_hidden).expand(bsz, m, h)], dim=1)
     tokens = torch.cat([embeds, mask_embed.expand(bsz, m, -1)], dim=1)
     pos = torch.arange(t + m, device=device)[None].repeat(bsz, 1)
     mask = torch.zeros(bsz, 1, t + m, t + m, dtype=torch.bool, device=device)
@@ -183,7 +198,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     if extra:
         sel.append(tuple(torch.tensor(c, device=ids.device) for c in zip(*extra)))
     b_idx, s_idx, rows, depth = (torch.cat(c) for c in zip(*sel))
-    logits = core.draft_logits(out[b_idx, s_idx])
+    logits = draft_logits(core, out[b_idx, s_idx])
     t_draft, keep = draft_all[rows], keep_all[rows]
     loss = TOKEN_LOSSES[cfg.loss](logits, t_draft, keep)
     n0 = keep[depth == 0].sum()
@@ -211,7 +226,7 @@ class ParallelProposer(Proposer):
         self.embed = draft_embeddings(target)
         # out [1, t, H] -> target-vocabulary logits [1, t, V]; an attribute, as FeatureProposer's, so
         # `export --verify` can record every logits row the drafter computed (draftsmith/ship/publish.py Recorder).
-        self.logits = drafter.target_vocab_logits
+        self.logits = partial(target_vocab_logits, drafter)
         self.max_depth = cfg.depths
         self.reset()
 
@@ -225,12 +240,12 @@ class ParallelProposer(Proposer):
         n_feats = next(iter(feats.values())).shape[1]
         new = {name: f[:, self.n_real :] for name, f in feats.items()}
         m = min(k, self.cfg.depths) - 1
-        hidden = torch.cat([d.fuse(aux_features(new, self.feature_names)), d.fuse(d.mask_hidden).expand(1, m, -1)], 1)
+        hidden = torch.cat([fuse(d, aux_features(new, self.feature_names)), fuse(d, d.mask_hidden).expand(1, m, -1)], 1)
         mask_ids = torch.full((1, m), self.cfg.mask_token_id, device=device)
         emb = self.embed(torch.cat([tokens[:, self.n_real + 1 : n_feats + 1], mask_ids], dim=1))
         t = n_feats - self.n_real + m
         pos = torch.arange(self.n_real, n_feats + m, device=device)[None]
-        out = d.step(hidden.to(emb.dtype), emb, pos, causal_mask(t, n_feats + m, device=device), self.cache)
+        out = decoder_step(d, hidden.to(emb.dtype), emb, pos, causal_mask(t, n_feats + m, device=device), self.cache)
         self.n_real = n_feats
         draft = Draft()
         for i, logits in enumerate(self.logits(out[:, -(m + 1) :])[0]):  # bonus slot, then mask slots
@@ -359,5 +374,5 @@ FAMILY = Family(
     SERVE_FORMAT=SERVE_FORMAT,
     vllm_serving=vllm_serving,
     consumer_check=consumer_check,
-    from_init=from_init,
+    resolve=resolve,
 )

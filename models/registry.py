@@ -49,6 +49,7 @@ def load_drafter(path: str | Path, target, allow_stale: bool = False):
         {k: v for k, v in meta["drafter_config"].items() if k != "type"},
         f"{path}/config.json: drafter_config",
     )
+    cfg = module.resolve(cfg, target.config)  # a folder written by hand may leave a default unsaid
     drafter = module.rebuild(meta, target)
     weights = load_state(Path(path))
     missing, unexpected = drafter.load_state_dict(weights, strict=False)

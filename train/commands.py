@@ -9,14 +9,13 @@ from pathlib import Path
 
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import build_dataset
-from draftsmith.data.features import write_cache, write_cache_vllm
 from draftsmith.data.inspect import encoded_example, print_example
 from draftsmith.data.load import thinking_kwargs
 from draftsmith.models.registry import drafter_module
-from draftsmith.target.load import fingerprint, load_target, resolve_target
+from draftsmith.target.load import fingerprint, load_target
 from draftsmith.train.args import FeaturesArgs, InspectArgs, PlanArgs, RecipeArgs
 from draftsmith.train.config import drafter_config, load_config
-from draftsmith.train.loop import train
+from draftsmith.train.loop import train, write_features
 from draftsmith.train.plan import plan
 
 
@@ -52,12 +51,7 @@ def run_features(args: FeaturesArgs) -> None:
         chat=thinking_kwargs(cfg.data.thinking),
     )
     names = drafter_module(cfg.drafter["type"]).feature_names(drafter_config(cfg), target.config)
-    if cfg.data.features_engine == "vllm":
-        path = resolve_target(cfg.target, cfg.cache_dir)
-        extra = tuple(cfg.data.features_vllm_args)
-        out = write_cache_vllm(path, target, ds, names, Path(args.out), fingerprint(target), extra=extra)
-    else:
-        out = write_cache(target, ds, names, Path(args.out), fingerprint(target), tok.pad_token_id, args.batch_size)
+    out = write_features(cfg, target, tok, ds, names, Path(args.out), fingerprint(target), args.batch_size)
     print(f"wrote {out} ({len(ds)} examples); train with data.offline_features={out}")
 
 

@@ -222,8 +222,9 @@ def load_target_and_data(run: Run) -> None:
     if sharded_target and fits_whole(target, accelerator.device):
         target.to(accelerator.device)
     run.target, run.tok, run.fp = target, tok, fingerprint(target)
-    if cfg.init_from:  # e.g. an EAGLE-3 head's aux layers come from the head it starts from
-        run.dcfg = module.from_init(run.dcfg, read_config(cfg.init_from), target.config)
+    # The exact config this run builds, trains and saves: the target's defaults made explicit, and
+    # with init_from the fields of the drafter it starts from (an EAGLE-3 head's aux layers).
+    run.dcfg = module.resolve(run.dcfg, target.config, read_config(cfg.init_from) if cfg.init_from else None)
     # The target tensors this family trains on; none for families that compute them with gradients
     # from a backbone they train (Medusa-2).
     names = module.feature_names(run.dcfg, target.config)
@@ -519,14 +520,22 @@ def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], sha
         )
         cache = cache_root(cfg.cache_dir) / "features" / hashlib.sha256(key.encode()).hexdigest()[:16]
         if not (cache / "index.json").is_file():
-            if cfg.data.features_engine == "hf":
-                write_cache(target, ds, names, cache, fp, tok.pad_token_id, shard=shard)
-            elif shard.main:  # vLLM: one engine, on the main rank, with the GPUs its flags give it
-                path = resolve_target(cfg.target, cfg.cache_dir)
-                write_cache_vllm(path, target, ds, names, cache, fp, extra=tuple(cfg.data.features_vllm_args))
+            # hf: every rank computes its share; vLLM: one engine, on the main rank, with the GPUs its
+            # flags give it, while the others wait for its index file (no process-group timeout).
+            if cfg.data.features_engine == "hf" or shard.main:
+                write_features(cfg, target, tok, ds, names, cache, fp, shard=shard)
             else:
-                shard.wait_for(cache / "index.json")  # a file, not a collective: no process-group timeout
+                shard.wait_for(cache / "index.json")
     return ds, cache or None
+
+
+def write_features(cfg: Config, target, tok, ds, names, out: Path, fp: str, batch_size: int = 8, shard=Shard()) -> Path:
+    """The offline feature cache of `ds` at `out`, through the engine `data.features_engine` names:
+    the in-process target (hf, sharded over the ranks of a launch) or a vLLM server (one process)."""
+    if cfg.data.features_engine == "vllm":
+        path = resolve_target(cfg.target, cfg.cache_dir)
+        return write_cache_vllm(path, target, ds, names, out, fp, extra=tuple(cfg.data.features_vllm_args))
+    return write_cache(target, ds, names, out, fp, tok.pad_token_id, batch_size, shard=shard)
 
 
 def _summarise(sums: dict, seconds: float, lr: float) -> dict:

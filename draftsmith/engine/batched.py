@@ -14,7 +14,7 @@ Layout of the shared target cache (one transformers DynamicCache holding every o
 - Prompts are left-padded, so each row's newest column is the last one. `valid` [B', L] marks, per
   row, which cache columns hold its real tokens; the attention mask is `causal_mask` with `valid` as
   its padding (draftsmith/util/masks.py), and position ids count real tokens only, as if each row were fed
-  unpadded (as in data/regenerate.py `answer_batch`).
+  unpadded (as in draftsmith/target/generate.py `generate_batch`).
 - Each round every open row feeds [its last token, its draft tokens] as one [B', 1 + max K_row]
   block; a row that drafted fewer tokens is padded at the right end of its block and those columns
   are not valid (masked as keys; as queries they see the row's own block, so they stay finite).
@@ -51,6 +51,7 @@ from draftsmith.engine.proposers import proposer_modules
 from draftsmith.engine.speculative import Stats, _truncate, target_decode, timed
 from draftsmith.engine.verify import AdaptiveCosts, adaptive_prefixes, verify_tree_greedy
 from draftsmith.target.features import target_features
+from draftsmith.target.generate import generate_batch
 from draftsmith.util.kernels import packed_linears
 from draftsmith.util.masks import causal_mask
 
@@ -141,28 +142,12 @@ def _prefill(target, prompts: list[list[int]], pad_id: int, names=()):
     return batch, feats, logits[:, -1].argmax(-1).tolist(), real
 
 
-@torch.no_grad()
 def target_decode_batch(
     target, prompts: list[list[int]], max_new: int, eos: set[int], pad_id: int = 0
 ) -> list[list[int]]:
-    """Greedy target-only decoding of B prompts together; row b equals `target_decode(prompts[b])`.
-    A row stops at EOS (kept) or after max_new tokens, and leaves the batch then."""
-    if not prompts:
-        return []
-    batch, _, nxt, _ = _prefill(target, prompts, pad_id)
-    out = [[] for _ in prompts]
-    while True:
-        alive = []
-        for i, b in enumerate(batch.rows):
-            out[b].append(nxt[i])
-            if len(out[b]) < max_new and nxt[i] not in eos:
-                alive.append(i)
-        _keep(batch, alive)
-        if not alive:
-            return out
-        ids = torch.tensor([[nxt[i]] for i in alive], device=batch.valid.device)
-        _, logits = _feed(target, batch, ids, torch.ones_like(ids, dtype=torch.bool))
-        nxt = logits[:, -1].argmax(-1).tolist()
+    """Greedy target-only decoding of B prompts together (draftsmith/target/generate.py); row b equals
+    `target_decode(prompts[b])`. A row stops at EOS (kept) or after max_new tokens, and leaves the batch then."""
+    return [answer for answer, _ in generate_batch(target, prompts, max_new, eos, pad_id)]
 
 
 def _propose(proposer, tokens: list[int], feats: dict, k: int, device) -> Draft:

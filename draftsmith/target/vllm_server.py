@@ -256,7 +256,23 @@ def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
     try:  # engine processes that outlived the server (they share its process group)
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
+        return
+    # A SIGKILL is delivered, not yet done: return once the group has died, so nothing is left running.
+    deadline = time.monotonic() + 10
+    while _group_running(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (Linux's /proc; a zombie has died already)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if state != "Z" and int(group) == pgid:
+            return True
+    return False
 
 
 def complete(

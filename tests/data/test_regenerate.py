@@ -9,8 +9,9 @@ import torch
 
 from draftsmith.data.batching import build_dataset
 from draftsmith.data.features import FeatureCache
-from draftsmith.data.regenerate import answer_batch, regenerate
+from draftsmith.data.regenerate import regenerate
 from draftsmith.target.features import target_features
+from draftsmith.target.generate import generate_batch
 from draftsmith.target.load import ensure_pad, eos_ids, fingerprint
 
 NAMES = ("hidden.0", "last_hidden")
@@ -22,7 +23,7 @@ def test_answers_equal_unbatched_greedy_and_features_equal_a_fresh_forward(tiny_
     ensure_pad(tok)
     # Different lengths, so left padding and per-row positions are exercised.
     prompts = [tok("say hello")["input_ids"], tok("a much longer prompt, padded less")["input_ids"], [5, 6]]
-    results = answer_batch(target, prompts, 12, eos_ids(target, tok), tok.pad_token_id, NAMES)
+    results = generate_batch(target, prompts, 12, eos_ids(target, tok), tok.pad_token_id, NAMES)
     for prompt, (answer, feats) in zip(prompts, results):
         ref = target.generate(
             torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id

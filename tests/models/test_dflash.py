@@ -208,6 +208,5 @@ def test_bad_configs_are_one_line_errors(target4):
         dflash.build(_cfg(mask_token_id=10_000), target4)
     with pytest.raises(DraftsmithError, match="last layer"):
         dflash.build(_cfg(aux_layers=[1, 3]), target4)
-    default = dflash.DrafterConfig(aux_layers=[0])
-    dflash.build(default, target4)
+    default = dflash.resolve(dflash.DrafterConfig(aux_layers=[0]), target4.config)
     assert default.mask_token_id == target4.config.pad_token_id  # the documented default

@@ -28,7 +28,7 @@ def test_draft_vocab_is_most_frequent_trained_tokens_with_consistent_maps(tiny_t
     ids = draft_vocab(_dataset(), 105, 4)
     assert ids.tolist() == [7, 8, 50, 51]
     d = eagle3.build(eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=4), target, _dataset())
-    assert (d.to_target_ids(torch.arange(4)) == ids).all()  # d2t: draft id -> target id
+    assert (eagle3.to_target_ids(d, torch.arange(4)) == ids).all()  # d2t: draft id -> target id
     assert d.t2d.nonzero().flatten().tolist() == ids.tolist()  # t2d marks the same ids
     assert torch.equal(d.lm_head.weight, target.get_output_embeddings().weight[ids])  # warm start
     with pytest.raises(DraftsmithError, match="larger than the target vocabulary"):
@@ -70,14 +70,16 @@ def test_ttt_step_j_matches_inference_draft_step_j(tiny_target):
 
         cache = DynamicCache()
         h = d.fc(aux[:, : root + 1])
-        out = d.step(
-            h, embed(ids[:, 1 : root + 2]), torch.arange(root + 1)[None], causal_mask(root + 1, root + 1), cache
+        out = eagle3.decoder_step(
+            d, h, embed(ids[:, 1 : root + 2]), torch.arange(root + 1)[None], causal_mask(root + 1, root + 1), cache
         )
         out = out[:, -1:]
         for j in range(cfg.ttt_steps):
-            assert torch.allclose(d.draft_logits(out)[0, 0], train_logits[j][0], atol=1e-5), j
+            assert torch.allclose(eagle3.draft_logits(d, out)[0, 0], train_logits[j][0], atol=1e-5), j
             pos = root + 1 + j
-            out = d.step(out, embed(ids[:, pos + 1 : pos + 2]), torch.tensor([[pos]]), causal_mask(1, pos + 1), cache)
+            out = eagle3.decoder_step(
+                d, out, embed(ids[:, pos + 1 : pos + 2]), torch.tensor([[pos]]), causal_mask(1, pos + 1), cache
+            )
 
 
 @pytest.mark.fp32_exact
@@ -150,7 +152,7 @@ def test_eagle31_ttt_unroll_matches_the_proposers_steps(tiny_target, switches):
             cache,
         )[:, -1:]
         for j in range(cfg.ttt_steps):
-            assert torch.allclose(d.draft_logits(out)[0, 0], train_logits[j][0], atol=1e-5), j
+            assert torch.allclose(eagle3.draft_logits(d, out)[0, 0], train_logits[j][0], atol=1e-5), j
             pos = root + 1 + j
             out = proposer.step(
                 out, embed(ids[:, pos + 1 : pos + 2]), torch.tensor([[pos]]), causal_mask(1, pos + 1), cache

@@ -8,7 +8,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.engine.speculative import Stats, speculative_greedy, target_greedy
-from draftsmith.models import peagle
+from draftsmith.models import eagle3, peagle
 from draftsmith.target.features import target_features
 
 VOCAB_DATA = {"input_ids": [list(range(5, 90))], "loss_mask": [[1] * 85]}  # every token, for the draft vocabulary
@@ -39,7 +39,7 @@ def test_the_packed_pass_gives_each_slot_the_logits_the_proposer_drafts_with(tin
     """Mask slot d of anchor a in training = draft d+1 of a proposer whose newest token is x_{a+1}."""
     target, _ = tiny_target
     torch.manual_seed(0)
-    cfg = _cfg()
+    cfg = peagle.resolve(_cfg(), target.config)  # the exact mask token the packed pass feeds
     d = peagle.build(cfg, target, VOCAB_DATA).eval()
     names = peagle.feature_names(cfg, target.config)
     ids = torch.randint(5, 90, (1, 16))
@@ -50,21 +50,23 @@ def test_the_packed_pass_gives_each_slot_the_logits_the_proposer_drafts_with(tin
     chains = [[(anchor, 1), (anchor, 2), (anchor, 3), (2, 1)]]
     with torch.no_grad():
         out = d(aux, embed(ids[:, 1:]), mask_embed, torch.ones(1, t), chains)
-        train = d.target_vocab_logits(out[0, [anchor, t, t + 1, t + 2]])
+        train = eagle3.target_vocab_logits(d, out[0, [anchor, t, t + 1, t + 2]])
         proposer = peagle.make_proposer(d, target, cfg)
         real = {n: f[:, : anchor + 1] for n, f in feats.items()}
         draft = proposer.propose(ids[:, : anchor + 2], real, 4)
     assert draft.tokens == train.argmax(-1).tolist() and draft.parents == [-1, 0, 1, 2]
     # The same logits, not only their argmax: rerun the proposer's pass by hand.
     with torch.no_grad():
-        real_hidden = d.fuse(peagle.aux_features(real, names))
+        real_hidden = eagle3.fuse(d, peagle.aux_features(real, names))
         m = 3
-        hidden = torch.cat([real_hidden, d.fuse(d.mask_hidden).expand(1, m, -1)], 1)
+        hidden = torch.cat([real_hidden, eagle3.fuse(d, d.mask_hidden).expand(1, m, -1)], 1)
         emb = embed(torch.cat([ids[:, 1 : anchor + 2], torch.full((1, m), cfg.mask_token_id)], 1))
         from draftsmith.util.masks import causal_mask
 
-        o = d.step(hidden, emb, torch.arange(anchor + 1 + m)[None], causal_mask(anchor + 1 + m, anchor + 1 + m))
-        logits = d.target_vocab_logits(o[0, -(m + 1) :])
+        o = eagle3.decoder_step(
+            d, hidden, emb, torch.arange(anchor + 1 + m)[None], causal_mask(anchor + 1 + m, anchor + 1 + m)
+        )
+        logits = eagle3.target_vocab_logits(d, o[0, -(m + 1) :])
     assert torch.allclose(logits, train, atol=1e-5)
 
 
@@ -72,7 +74,7 @@ def test_the_packed_pass_gives_each_slot_the_logits_the_proposer_drafts_with(tin
 def test_peagle_learns_every_depth_and_greedy_stays_lossless(tiny_target):
     target, _ = tiny_target
     torch.manual_seed(0)
-    cfg = _cfg(loss="lk_hybrid")
+    cfg = peagle.resolve(_cfg(loss="lk_hybrid"), target.config)
     ids = torch.randint(5, 60, (2, 24))
     d = peagle.build(cfg, target, {"input_ids": ids.tolist(), "loss_mask": [[1] * 24] * 2})
     batch = _batch(ids)
