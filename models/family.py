@@ -42,11 +42,6 @@ def no_consumer_check(exported, target, ours, prompt_ids) -> None:
     return None
 
 
-def no_held_out_metrics(drafter, verifier, sequences) -> dict:
-    """`held_out_metrics` of a family with nothing to add to the eval's figures (benchmarks)."""
-    return {}
-
-
 @dataclass  # not frozen: tests swap an entry (monkeypatch) to plant a failure
 class Family:
     # What it is, and what it reads of the target.
@@ -79,8 +74,6 @@ class Family:
     resolve: Callable = keep_config
     trains_target: Callable = trains_target_never  # (drafter_config) -> whether it needs its own target copy
     original: Callable = target_as_original  # context: the target before training (staleness, drift)
-    # Benchmarks: extra held-out figures.
-    held_out_metrics: Callable = no_held_out_metrics
 
 
 INTERFACE = tuple(f.name for f in fields(Family))  # what every family has, given or by default

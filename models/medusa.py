@@ -41,7 +41,6 @@ from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import vllm_snippet, write_tensors
 from draftsmith.models.training import draft_vocab, layer_activation_bytes, lora_config, unwrap
-from draftsmith.target.features import target_features
 from draftsmith.target.load import freeze
 from draftsmith.util.losses import forward_kl, soft_cross_entropy
 
@@ -577,27 +576,6 @@ def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, e
     return act
 
 
-@torch.no_grad()
-def held_out_metrics(drafter, verifier, sequences) -> dict:
-    """Per head k: how often its top-1 at position t is token t+k+2 of the verifier's own greedy answer,
-    over the answer's positions (from the last prompt token on). `sequences()` -> [(prompt length,
-    prompt + answer ids)], computed only when asked."""
-
-    heads = getattr(drafter, "heads", drafter)  # Medusa-2: the drafting part, without the backbone
-    k_heads, device = len(heads.blocks), heads.blocks[0].layers[0].linear.weight.device
-    hits, counts = [0] * k_heads, [0] * k_heads
-    for n_prompt, ids in sequences():
-        full = torch.tensor([ids], device=device)
-        h = target_features(verifier, {"input_ids": full}, ("last_hidden",))["last_hidden"][0].to(heads.dtype)
-        for k in range(k_heads):
-            ts = list(range(n_prompt - 1, full.shape[1] - k - 2))
-            if ts:
-                pred = heads.to_target(heads.head_logits(h[ts], k).argmax(-1))
-                hits[k] += int((pred == full[0, [t + k + 2 for t in ts]]).sum())
-                counts[k] += len(ts)
-    return {"head_top1": [round(h / max(c, 1), 4) for h, c in zip(hits, counts)]}
-
-
 FAMILY = Family(
     NAME=NAME,
     DrafterConfig=DrafterConfig,
@@ -619,5 +597,4 @@ FAMILY = Family(
     verifier=verifier,
     trains_target=trains_target,
     original=original,
-    held_out_metrics=held_out_metrics,
 )

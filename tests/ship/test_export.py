@@ -176,7 +176,7 @@ def test_drafters_bench_runs_every_row_on_tiny_drafters_of_every_family(tiny_tar
     c3, c1 = result["costs"]["eagle3"], result["costs"]["eagle"]
     assert c3["draft_vocab"] == 48 and 0 < c3["draft_flops_fraction"] < c1["draft_flops_fraction"]
     assert "draft FLOPs/token vs target" in capsys.readouterr().out
-    top1 = result["costs"]["medusa"]["head_top1"]
+    top1 = result["costs"]["medusa"]["draft_top1"]
     assert len(top1) == 2 and all(0 <= a <= 1 for a in top1)
 
 
