@@ -34,6 +34,7 @@ from draftsmith.models.formats import vllm_method, vllm_snippet
 from draftsmith.models.known import model_config
 from draftsmith.models.training import layer_activation_bytes, lora_config, unwrap
 from draftsmith.target.features import target_features, unpack_topk
+from draftsmith.target.generate import generate_batch
 from draftsmith.util.losses import DIVERGENCES, expected_acceptance
 
 NAME = "distill"
@@ -297,31 +298,25 @@ def topk_classes(packed: torch.Tensor, student_logits: torch.Tensor):
 def on_policy_batch(student, batch: dict, rows: int, max_new_tokens: int, temperature: float, target) -> dict:
     """The batch with the answers of its first `rows` examples replaced by the student's own
     continuations of their prompts (the tokens before the first loss-masked one), up to and
-    including EOS; the loss mask then covers exactly the generated tokens."""
-    examples, was_training = [], student.training
+    including EOS, generated together (draftsmith/target/generate.py, the loop regeneration uses);
+    the loss mask then covers exactly the generated tokens."""
+    was_training = student.training
     student.eval()
-    eos = target.generation_config.eos_token_id
+    gen = getattr(target.generation_config, "eos_token_id", None)
+    eos = {i for i in (gen if isinstance(gen, (list, tuple)) else [gen]) if isinstance(i, int)}
+    pad = target.config.pad_token_id
+    examples = []
     for i in range(len(batch["input_ids"])):
         real = batch["attention_mask"][i].bool()
         ids, mask = batch["input_ids"][i][real].tolist(), batch["loss_mask"][i][real].tolist()
-        if i < rows:
-            prompt = ids[: mask.index(1) if 1 in mask else len(ids)]
-            sample = (
-                dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
-            )
-            out = student.generate(
-                torch.tensor([prompt], device=batch["input_ids"].device),
-                max_new_tokens=max_new_tokens,
-                eos_token_id=eos,
-                pad_token_id=target.config.pad_token_id,
-                **sample,
-            )
-            answer = out[0, len(prompt) :].tolist()
-            ids, mask = prompt + answer, [0] * len(prompt) + [1] * len(answer)
         examples.append({"input_ids": ids, "loss_mask": mask, "idx": int(batch["idx"][i]) if "idx" in batch else i})
+    prompts = [e["input_ids"][: e["loss_mask"].index(1) if 1 in e["loss_mask"] else None] for e in examples[:rows]]
+    answers = generate_batch(student, prompts, max_new_tokens, eos, pad, temperature=temperature)
+    for e, prompt, (answer, _) in zip(examples, prompts, answers):
+        e["input_ids"], e["loss_mask"] = prompt + answer, [0] * len(prompt) + [1] * len(answer)
     student.train(was_training)
     device = batch["input_ids"].device
-    return {k: v.to(device) for k, v in collate(examples, target.config.pad_token_id).items()}
+    return {k: v.to(device) for k, v in collate(examples, pad).items()}
 
 
 def make_proposer(student, target, cfg: DrafterConfig) -> StudentProposer:

@@ -1,6 +1,7 @@
-"""Target-only batched generation: the one loop that answers prompts with the target itself, for
-regeneration (data/regenerate.py, with the features of every token fed) and for the engine's
-target-only batch baseline (draftsmith/engine/batched.py `target_decode_batch`)."""
+"""Batched generation: the one loop that answers prompts with a causal LM on its own, for
+regeneration (data/regenerate.py: the target, with the features of every token fed), the engine's
+target-only batch baseline (draftsmith/engine/batched.py `target_decode_batch`) and distillation's
+on-policy data (models/distill.py `on_policy_batch`: the student answers)."""
 
 from __future__ import annotations
 

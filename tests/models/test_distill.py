@@ -2,9 +2,11 @@
 cache, transformers' assisted generation, the loop, and the hf export."""
 
 import json
+import types
 
 import pytest
 import torch
+import transformers
 
 from draftsmith import DraftsmithError
 from draftsmith.engine.speculative import Sampler, Stats, speculative_decode, target_decode
@@ -136,12 +138,20 @@ def test_distillation_in_the_shared_loop_evaluates_and_exports_a_plain_causal_lm
 
 
 class AlwaysX(torch.nn.Module):
-    """A student that answers every prompt with token X, three times."""
+    """A student that answers every prompt with token X until its budget ends (never EOS)."""
 
     X = 42
 
-    def generate(self, input_ids, max_new_tokens, **kwargs):
-        return torch.cat([input_ids, torch.full((1, 3), self.X)], dim=1)
+    def __init__(self):
+        super().__init__()
+        self.config = transformers.PretrainedConfig()
+        self.unused = torch.nn.Parameter(torch.zeros(1))  # where it runs
+
+    def get_decoder(self):
+        return lambda input_ids, **kwargs: types.SimpleNamespace(last_hidden_state=torch.zeros(*input_ids.shape, 1))
+
+    def get_output_embeddings(self):
+        return lambda hidden: torch.nn.functional.one_hot(torch.full(hidden.shape[:-1], self.X), 105) * 1e3
 
 
 def test_on_policy_batches_come_from_the_student_for_a_lambda_fraction_of_rows(tiny_target):
@@ -153,7 +163,7 @@ def test_on_policy_batches_come_from_the_student_for_a_lambda_fraction_of_rows(t
         for i in range(4)
     ]
     batch = collate(examples, 0)
-    out = distill.on_policy_batch(AlwaysX(), batch, 2, 16, 1.0, target)
+    out = distill.on_policy_batch(AlwaysX(), batch, 2, 3, 1.0, target)
     for i in range(2):  # prompt kept, answer = the student's, loss mask on exactly its tokens
         real = out["attention_mask"][i].bool()
         assert out["input_ids"][i][real].tolist() == [5, 6, 42, 42, 42]
