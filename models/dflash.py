@@ -409,6 +409,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     """Returns (loss_sum, n_tokens, metric_sums); n_tokens = the number of blocks (each trains slot 1),
     so the loss is the weighted per-slot loss summed over a block, averaged over blocks (slot_token_loss;
     the blocks and labels: block_targets)."""
+    cfg = resolve(cfg, target.config)  # the exact mask token and layers (a no-op on a run's own config)
     blocks = block_targets(target, batch, feats, cfg, keep_soft=cfg.loss != "ce")
     slots = drafter(*forward_inputs(drafter, target, feats, cfg, blocks))[slot_index(blocks, cfg.block_size)]
     lm_head = target.get_output_embeddings()
@@ -486,7 +487,7 @@ class BlockProposer(Proposer):
 
 
 def make_proposer(drafter, target, cfg: DrafterConfig) -> BlockProposer:
-    return BlockProposer(drafter, target, cfg)
+    return BlockProposer(drafter, target, resolve(cfg, target.config))  # the exact mask token
 
 
 # One module trained at optim.lr; the target stays frozen and is its own original.

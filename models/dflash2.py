@@ -233,6 +233,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     candidates (gold injected), weighted per slot as the unary loss. Metrics also hold sel_ce, sel_acc
     (the selector ranks the gold first among the serving top-k, teacher-forced) and coverage (the
     gold is in the unary top-k), per trained slot."""
+    cfg = resolve(cfg, target.config)  # the exact mask token and layers (a no-op on a run's own config)
     ids = batch["input_ids"]
     t = ids.shape[1]
     blocks = dflash.block_targets(target, batch, feats, cfg, keep_soft=cfg.loss != "ce")
@@ -322,7 +323,7 @@ class SelectorProposer(Proposer):
 
 
 def make_proposer(drafter, target, cfg: DrafterConfig) -> SelectorProposer:
-    return SelectorProposer(drafter, target, cfg)
+    return SelectorProposer(drafter, target, resolve(cfg, target.config))  # the exact mask token
 
 
 # --- init_from and the speculators `dflash2` format (vLLM 0.32: method dflash) ------------------------

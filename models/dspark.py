@@ -182,6 +182,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     logits l_k = z_k + W2 W1[x_{a+k-1}] (dflash.slot_token_loss; acc{d} as dflash's) + confidence_weight
     * the confidence BCE towards the soft acceptance of l_k, summed over trained slots. Metrics also
     hold conf_bce, accept (the mean soft acceptance a_k) and confidence (the mean c_k), per trained slot."""
+    cfg = resolve(cfg, target.config)  # the exact mask token and layers (a no-op on a run's own config)
     ids = batch["input_ids"]
     t = ids.shape[1]
     # The confidence label needs the target's full distribution, whatever the token loss.
@@ -265,7 +266,7 @@ class MarkovProposer(Proposer):
 
 
 def make_proposer(drafter, target, cfg: DrafterConfig) -> MarkovProposer:
-    return MarkovProposer(drafter, target, cfg)
+    return MarkovProposer(drafter, target, resolve(cfg, target.config))  # the exact mask token
 
 
 # --- init_from and the speculators `dspark` format (vLLM 0.32: method dspark) -------------------------

@@ -177,6 +177,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     """Returns (loss_sum, n_tokens, metric_sums): the token loss summed over every trained slot, real
     and mask; n_tokens counts the real (depth-0) slots, so each depth weighs by its slot count (as
     speculators' plain average over slots, up to a constant). acc{d}: draft d+1's top-1 agreement."""
+    cfg = resolve(cfg, target.config)  # the exact mask token and layers (a no-op on a run's own config)
     ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     core = unwrap(drafter)
     names = feature_names(cfg, target.config)
@@ -255,7 +256,7 @@ class ParallelProposer(Proposer):
 
 
 def make_proposer(drafter, target, cfg: DrafterConfig) -> ParallelProposer:
-    return ParallelProposer(drafter, target, cfg)
+    return ParallelProposer(drafter, target, resolve(cfg, target.config))  # the exact mask token
 
 
 # One module trained at optim.lr; the target stays frozen and is its own original.
