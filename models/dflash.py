@@ -58,7 +58,6 @@ from draftsmith.models.training import (
     layer_activation_bytes,
     mask_token,
     target_label_rows,
-    unwrap,
 )
 from draftsmith.target.features import draft_embeddings
 from draftsmith.target.load import served_name
@@ -359,12 +358,11 @@ def block_targets(target, batch: dict, feats: dict, cfg, keep_soft: bool) -> Blo
 def forward_inputs(drafter, target, feats: dict, cfg, blocks: Blocks) -> tuple:
     """The training forward's inputs: (ctx features [Bz, T, A*H], their positions [Bz, T], the packed
     block embeddings [Bz, M, H], their positions, the mask), in the drafter's dtype."""
-    core = unwrap(drafter)
     # The mask's keys are [T ctx ; M block slots] (block_inputs).
     bsz, m = blocks.block_ids.shape
     t = blocks.mask.shape[-1] - m
     ctx_pos = torch.arange(t, device=blocks.pos.device)[None].expand(bsz, -1)
-    dtype = core.fc.weight.dtype
+    dtype = drafter.fc.weight.dtype
     aux = aux_features(feats, feature_names(cfg, target.config)).to(dtype)
     return aux, ctx_pos, draft_embeddings(target)(blocks.block_ids).to(dtype), blocks.pos, blocks.mask
 
@@ -405,13 +403,14 @@ def slot_token_loss(cfg, logits: torch.Tensor, blocks: Blocks):
     return loss, n, metrics
 
 
-def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
+def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0, forward=None):
     """Returns (loss_sum, n_tokens, metric_sums); n_tokens = the number of blocks (each trains slot 1),
     so the loss is the weighted per-slot loss summed over a block, averaged over blocks (slot_token_loss;
     the blocks and labels: block_targets)."""
+    forward = drafter if forward is None else forward  # the loop's distributed wrapper: its forward syncs gradients
     cfg = resolve(cfg, target.config)  # the exact mask token and layers (a no-op on a run's own config)
     blocks = block_targets(target, batch, feats, cfg, keep_soft=cfg.loss != "ce")
-    slots = drafter(*forward_inputs(drafter, target, feats, cfg, blocks))[slot_index(blocks, cfg.block_size)]
+    slots = forward(*forward_inputs(drafter, target, feats, cfg, blocks))[slot_index(blocks, cfg.block_size)]
     lm_head = target.get_output_embeddings()
     return slot_token_loss(cfg, lm_head(slots.to(lm_head.weight.dtype)).float(), blocks)
 

@@ -227,12 +227,13 @@ def rebuild(meta: dict, target) -> DFlash2Drafter:
 # --- training ----------------------------------------------------------------------------------------
 
 
-def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
+def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0, forward=None):
     """Returns (loss_sum, n_blocks, metric_sums): DFlash's unary per-slot loss (dflash.slot_token_loss;
     acc{d} as dflash's) + selector_loss_weight * the selector's CE over each slot's training
     candidates (gold injected), weighted per slot as the unary loss. Metrics also hold sel_ce, sel_acc
     (the selector ranks the gold first among the serving top-k, teacher-forced) and coverage (the
     gold is in the unary top-k), per trained slot."""
+    forward = drafter if forward is None else forward  # the loop's distributed wrapper: its forward syncs gradients
     cfg = resolve(cfg, target.config)  # the exact mask token and layers (a no-op on a run's own config)
     ids = batch["input_ids"]
     t = ids.shape[1]
@@ -244,7 +245,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     gold = blocks.top[blocks.rows]  # [N, B-1]: the target's argmax at each slot's label position
     inputs = dflash.forward_inputs(drafter, target, feats, cfg, blocks)
     slots = dflash.slot_index(blocks, cfg.block_size)
-    unary, scores, label, covered = drafter(*inputs, slots, prev, gold, target.get_output_embeddings())
+    unary, scores, label, covered = forward(*inputs, slots, prev, gold, target.get_output_embeddings())
     loss, n, metrics = dflash.slot_token_loss(cfg, unary, blocks)
     keep = blocks.valid.float()
     with torch.no_grad():

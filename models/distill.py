@@ -32,7 +32,7 @@ from draftsmith.engine.proposers import StudentProposer
 from draftsmith.models.family import Family
 from draftsmith.models.formats import vllm_method, vllm_snippet
 from draftsmith.models.known import model_config
-from draftsmith.models.training import layer_activation_bytes, lora_config, unwrap
+from draftsmith.models.training import layer_activation_bytes, lora_config
 from draftsmith.target.features import target_features, unpack_topk
 from draftsmith.target.generate import generate_batch
 from draftsmith.util.losses import DIVERGENCES, expected_acceptance
@@ -234,19 +234,19 @@ def rebuild(meta: dict, target):
 # The student is one module trained at optim.lr, and the target stays frozen.
 
 
-def compute_loss(student, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
+def compute_loss(student, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0, forward=None):
     """Returns (loss_sum, n_tokens, metric_sums).
 
     batch: input_ids, attention_mask, loss_mask [B, T]; feats["last_hidden"]: the target's [B, T, H].
     Logits at position p (student's and target's alike) predict token p+1, so the trained rows are
     the positions p whose next token p+1 is in the loss mask.
     """
+    forward = student if forward is None else forward  # the loop's distributed wrapper: its forward syncs gradients
     if cfg.onpolicy_fraction and step % cfg.onpolicy_every == 0:
         # On-policy: the student answers some prompts itself; the target scores those answers, so
         # its features are computed here for the new batch (a cache holds the dataset's answers only).
-        core = unwrap(student)  # generation runs outside DDP's forward
-        batch = on_policy_batch(
-            core,
+        batch = on_policy_batch(  # generation runs outside the wrapper's forward
+            student,
             batch,
             round(cfg.onpolicy_fraction * len(batch["input_ids"])),
             cfg.onpolicy_max_new_tokens,
@@ -257,7 +257,7 @@ def compute_loss(student, target, batch: dict, feats: dict, cfg: DrafterConfig, 
             feats = target_features(target, batch, feature_names(cfg, target.config))
     ids, lmask = batch["input_ids"], batch["loss_mask"].bool()
     rows = lmask[:, 1:].nonzero(as_tuple=True)
-    logits = student(input_ids=ids, attention_mask=batch.get("attention_mask")).logits[rows]
+    logits = forward(input_ids=ids, attention_mask=batch.get("attention_mask")).logits[rows]
     if cfg.offline_topk:  # K+1 classes for both; the student's keep their gradient
         teacher, logits = topk_classes(feats[f"logits_topk.{cfg.offline_topk}"][rows], logits)
     else:

@@ -177,11 +177,12 @@ def rebuild(meta: dict, target) -> DSparkDrafter:
 # --- training ----------------------------------------------------------------------------------------
 
 
-def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
+def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0, forward=None):
     """Returns (loss_sum, n_blocks, metric_sums): DFlash's per-slot token loss on the Markov-corrected
     logits l_k = z_k + W2 W1[x_{a+k-1}] (dflash.slot_token_loss; acc{d} as dflash's) + confidence_weight
     * the confidence BCE towards the soft acceptance of l_k, summed over trained slots. Metrics also
     hold conf_bce, accept (the mean soft acceptance a_k) and confidence (the mean c_k), per trained slot."""
+    forward = drafter if forward is None else forward  # the loop's distributed wrapper: its forward syncs gradients
     cfg = resolve(cfg, target.config)  # the exact mask token and layers (a no-op on a run's own config)
     ids = batch["input_ids"]
     t = ids.shape[1]
@@ -192,7 +193,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     # Slots past the sequence end read a clamped position; their weight is 0.
     prev = ids[blocks.blk_b[:, None], (blocks.lab - 1).clamp(max=t - 1)]
     inputs = dflash.forward_inputs(drafter, target, feats, cfg, blocks)
-    h, bias, conf_logits = drafter(*inputs, dflash.slot_index(blocks, cfg.block_size), prev)
+    h, bias, conf_logits = forward(*inputs, dflash.slot_index(blocks, cfg.block_size), prev)
     lm_head = target.get_output_embeddings()
     logits = lm_head(h.to(lm_head.weight.dtype)).float() + bias.float()  # [N, B-1, V]
     loss, n, metrics = dflash.slot_token_loss(cfg, logits, blocks)

@@ -168,12 +168,13 @@ def rebuild(meta: dict, target) -> EagleDrafter:
     return EagleDrafter(layer_config(target.config))
 
 
-def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
+def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0, forward=None):
     """Returns (loss_sum, n_tokens, metric_sums) over the tokens the loss mask keeps; n_tokens
     counts step-0 positions.
 
     batch: input_ids, attention_mask, loss_mask [B, T]; feats["last_hidden"]: [B, T, H].
     """
+    forward = drafter if forward is None else forward  # the loop's distributed wrapper: its forward syncs gradients
     ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     f = feats["last_hidden"]
     steps = cfg.hass_steps if cfg.hass else 1
@@ -188,7 +189,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     f_ext = torch.nn.functional.pad(f, (0, 0, 0, steps - 1))
     lmask_ext = torch.nn.functional.pad(lmask, (0, steps))
     embed, lm_head = draft_embeddings(target), target.get_output_embeddings()
-    outs = drafter(f_in, embed(ids_ext[:, 1:]), attn[:, 1:], steps)
+    outs = forward(f_in, embed(ids_ext[:, 1:]), attn[:, 1:], steps)
     roots = torch.arange(t, device=ids.device)
     total, metrics = 0.0, {}
     for j, out in enumerate(outs):

@@ -42,7 +42,7 @@ from draftsmith.models.formats import (
     vllm_snippet,
     write_tensors,
 )
-from draftsmith.models.training import draft_vocab, target_label_rows, unwrap
+from draftsmith.models.training import draft_vocab, target_label_rows
 from draftsmith.target.features import draft_embeddings, target_features
 from draftsmith.target.load import resolve_target, served_name
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, topk_distillation_loss
@@ -343,13 +343,13 @@ def teacher_rows(core, lm_head, ids, lmask, last):
     return row_of, logits, keep
 
 
-def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
+def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0, forward=None):
     """Returns (loss_sum, n_tokens, metric_sums); n_tokens counts step-0 positions.
 
     batch: input_ids, attention_mask, loss_mask [B, T]; feats: `feature_names` -> [B, T, H].
     """
+    forward = drafter if forward is None else forward  # the loop's distributed wrapper: its forward syncs gradients
     ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-    core = unwrap(drafter)
     names = feature_names(cfg, target.config)
     seq, t = ids.shape[1], ids.shape[1] - 1
     roots = torch.arange(t, device=ids.device)
@@ -359,7 +359,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     ids_ext = torch.nn.functional.pad(ids, (0, cfg.ttt_steps + 1))
     lmask_ext = torch.nn.functional.pad(lmask, (0, cfg.ttt_steps + 1))
     with torch.no_grad():
-        row_of, draft_all, keep_all = teacher_rows(core, lm_head, ids, lmask, last)
+        row_of, draft_all, keep_all = teacher_rows(drafter, lm_head, ids, lmask, last)
         selections, labels = [], []
         for j in range(cfg.ttt_steps):
             # Step j of chain r predicts t_{r+j+2}: counted iff that token exists and is trained
@@ -371,7 +371,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
             labels.append((draft_all[r], keep_all[r]))
     aux = aux_features(feats, names)[:, :t]
     embeds = draft_embeddings(target)(ids_ext[:, 1:])
-    logits = drafter(aux.to(core.fc.weight.dtype), embeds, attn[:, :t], selections)
+    logits = forward(aux.to(drafter.fc.weight.dtype), embeds, attn[:, :t], selections)
     total, metrics = 0.0, {}
     for j, (s_logits, (t_draft, keep)) in enumerate(zip(logits, labels)):
         loss = TOKEN_LOSSES[cfg.loss](s_logits, t_draft, keep)

@@ -52,7 +52,10 @@ class Family:
     # Training: the drafter, its loss, its parameter groups, `plan`'s activation estimate.
     build: Callable  # (cfg, target, dataset) -> a new drafter (it leaves cfg as it is)
     rebuild: Callable  # (meta, target) -> the drafter a saved folder describes
-    compute_loss: Callable  # (drafter, target, batch, feats, cfg, step) -> (loss sum, count, metrics)
+    # (drafter, target, batch, feats, cfg, step, forward) -> (loss sum, count, metrics). drafter: the module
+    # itself (its attributes); forward: what the training pass calls, the loop's DDP/DeepSpeed wrapper
+    # around it, whose forward syncs gradients (default: the drafter).
+    compute_loss: Callable
     activation_bytes: Callable  # (cfg, target_config, drafter, batch, length, elem) -> bytes at the peak
     # Decoding: the proposer the engine drafts with.
     make_proposer: Callable  # (drafter, verifier, cfg) -> a Proposer

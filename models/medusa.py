@@ -40,7 +40,7 @@ from draftsmith.engine.proposers import Proposer
 from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import vllm_snippet, write_tensors
-from draftsmith.models.training import draft_vocab, layer_activation_bytes, lora_config, unwrap
+from draftsmith.models.training import draft_vocab, layer_activation_bytes, lora_config
 from draftsmith.target.load import freeze
 from draftsmith.util.losses import forward_kl, soft_cross_entropy
 
@@ -351,16 +351,16 @@ def lambda0(cfg: DrafterConfig, step: int) -> float:
     return cfg.lambda0 * ramp
 
 
-def compute_loss(model, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
+def compute_loss(model, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0, forward=None):
     """Returns (loss_sum, n_tokens, metric_sums); n_tokens counts head-0 positions.
 
     batch: input_ids, attention_mask, loss_mask [B, T]; feats["last_hidden"]: [B, T, H] (Medusa-1;
     Medusa-2 computes it). Medusa-1: sum_k decay^k CE_k. Medusa-2: KL(p_original || p_trained) +
     lambda0(step) * sum_k decay^k CE_k; heads only (no KL) before `heads_only_steps`.
     """
+    forward = model if forward is None else forward  # the loop's distributed wrapper: its forward syncs gradients
     ids, lmask = batch["input_ids"], batch["loss_mask"].bool()
-    core = unwrap(model)
-    heads = core.heads if isinstance(core, Medusa2) else core
+    heads = model.heads if isinstance(model, Medusa2) else model
     # Head k at position t predicts token t+k+2: its inputs are positions t with token t+k+2 trained
     # (loss mask), i.e. the nonzeros of lmask[:, k+2:] indexed by t.
     rows = [lmask[:, k + 2 :].nonzero(as_tuple=True) for k in range(min(cfg.num_heads, ids.shape[1] - 2))]
@@ -368,16 +368,16 @@ def compute_loss(model, target, batch: dict, feats: dict, cfg: DrafterConfig, st
     # computed once for every head (head k's label for token t+k+2 is the distribution at p = t+k+1).
     teach = lmask[:, 1:].nonzero(as_tuple=True)
     if not rows:  # fewer than 3 tokens: nothing to learn, but every trainable weight joins the backward (DDP)
-        return sum(p.sum() for p in core.parameters() if p.requires_grad) * 0.0, torch.tensor(0, device=ids.device), {}
-    joint = isinstance(core, Medusa2) and step >= cfg.heads_only_steps
-    if isinstance(core, Medusa2):
-        logits, trained, teacher = model(ids, batch.get("attention_mask"), rows, teach, joint)
+        return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0, torch.tensor(0, device=ids.device), {}
+    joint = isinstance(model, Medusa2) and step >= cfg.heads_only_steps
+    if isinstance(model, Medusa2):
+        logits, trained, teacher = forward(ids, batch.get("attention_mask"), rows, teach, joint)
     else:
         last = feats["last_hidden"]
         with torch.no_grad():
             teacher = target.get_output_embeddings()(last[teach].to(target.dtype)).float() if cfg.soft_labels else None
         h = last.to(heads.dtype)
-        logits = model([h[b, t] for b, t in rows])  # one call through DDP for all heads
+        logits = forward([h[b, t] for b, t in rows])  # one call through the wrapper for all heads
     row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
     row_of[teach] = torch.arange(len(teach[0]), device=ids.device)
     heads_loss, metrics, n = 0.0, {}, None

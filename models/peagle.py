@@ -52,7 +52,7 @@ from draftsmith.models.eagle3 import build as build_eagle3
 from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import from_exported_head, renamed
-from draftsmith.models.training import mask_token, unwrap
+from draftsmith.models.training import mask_token
 from draftsmith.target.features import draft_embeddings
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss
 from draftsmith.util.masks import causal_mask
@@ -173,24 +173,24 @@ def packed_inputs(core, aux, embeds, mask_embed, padding, chains):
     return hidden, tokens, pos, mask
 
 
-def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0):
+def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0, forward=None):
     """Returns (loss_sum, n_tokens, metric_sums): the token loss summed over every trained slot, real
     and mask; n_tokens counts the real (depth-0) slots, so each depth weighs by its slot count (as
     speculators' plain average over slots, up to a constant). acc{d}: draft d+1's top-1 agreement."""
+    forward = drafter if forward is None else forward  # the loop's distributed wrapper: its forward syncs gradients
     cfg = resolve(cfg, target.config)  # the exact mask token and layers (a no-op on a run's own config)
     ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-    core = unwrap(drafter)
     names = feature_names(cfg, target.config)
     t = ids.shape[1] - 1
     with torch.no_grad():
         row_of, draft_all, keep_all = teacher_rows(
-            core, target.get_output_embeddings(), ids, lmask, feats["last_hidden"]
+            drafter, target.get_output_embeddings(), ids, lmask, feats["last_hidden"]
         )
         chains = sample_chains(row_of, t, cfg)
     embed = draft_embeddings(target)
-    aux = aux_features(feats, names)[:, :t].to(core.fc.weight.dtype)
+    aux = aux_features(feats, names)[:, :t].to(drafter.fc.weight.dtype)
     mask_embed = embed(torch.tensor([[cfg.mask_token_id]], device=ids.device))
-    out = drafter(aux, embed(ids[:, 1:]), mask_embed, attn[:, :t], chains)
+    out = forward(aux, embed(ids[:, 1:]), mask_embed, attn[:, :t], chains)
     # Depth 0: real slot i predicts x_{i+2} (label row i+1); slot (a, d) predicts label row a+d+1.
     b0, i0 = (row_of[:, 1:] >= 0).nonzero(as_tuple=True)
     sel = [(b0, i0, row_of[b0, i0 + 1], torch.zeros_like(b0))]
@@ -199,7 +199,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     if extra:
         sel.append(tuple(torch.tensor(c, device=ids.device) for c in zip(*extra)))
     b_idx, s_idx, rows, depth = (torch.cat(c) for c in zip(*sel))
-    logits = draft_logits(core, out[b_idx, s_idx])
+    logits = draft_logits(drafter, out[b_idx, s_idx])
     t_draft, keep = draft_all[rows], keep_all[rows]
     loss = TOKEN_LOSSES[cfg.loss](logits, t_draft, keep)
     n0 = keep[depth == 0].sum()

@@ -1,4 +1,4 @@
-"""What the families share for training: the drafter inside its wrapper, vocabularies, LoRA,
+"""What the families share for training: vocabularies, LoRA,
 parameter groups, label rows from the target's lm_head, the mask token, the activation-bytes
 estimate of `plan`."""
 
@@ -7,14 +7,6 @@ from __future__ import annotations
 import torch
 
 from draftsmith import DraftsmithError
-
-
-def unwrap(drafter: torch.nn.Module) -> torch.nn.Module:
-    """The drafter inside a DDP or DeepSpeed wrapper (itself when unwrapped). The loop hands
-    `compute_loss` the wrapper because the forward must run through it (DDP's gradient sync,
-    DeepSpeed's ZeRO-3 gathers); a loss reads the drafter's attributes (draft vocabulary, dtype)
-    here."""
-    return getattr(drafter, "module", drafter)
 
 
 def max_over_ranks(n: int, device: torch.device) -> int:

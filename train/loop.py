@@ -324,6 +324,9 @@ def train_steps(run: Run) -> None:
         run.scheduler,
     )
     world, zero, total = run.world, run.zero, run.total
+    # Families get the drafter itself and call the wrapper (DDP, DeepSpeed; FSDP2 wraps in place) as
+    # their forward: the wrapper's forward is what syncs gradients and gathers ZeRO-3 shards.
+    core = accelerator.unwrap_model(drafter)
     bar = tqdm(total=total, initial=run.step, disable=not accelerator.is_local_main_process, desc="train")
     sums, t0, micro, t_start = {}, time.perf_counter(), 0, time.perf_counter()
     last_good = checkpoint.list_steps(cfg.run_dir)[-1:] if accelerator.is_main_process else []
@@ -333,7 +336,7 @@ def train_steps(run: Run) -> None:
             sync = (micro + 1) % cfg.optim.grad_accum == 0
             with autocast(accelerator, cfg, zero), accelerator.no_sync(drafter) if not sync else nullcontext():
                 loss_sum, n_tok, metrics = module.compute_loss(
-                    drafter, run.target, batch, run.features(batch), run.dcfg, step=run.step
+                    core, run.target, batch, run.features(batch), run.dcfg, step=run.step, forward=drafter
                 )
                 # Normalise by the global token count of this micro-batch (all ranks): DDP averages
                 # gradients over ranks, so multiply back by world size.

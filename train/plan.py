@@ -62,7 +62,8 @@ class Sizes:
 
 
 def sizes(cfg: Config, tc) -> Sizes:
-    module, dcfg = drafter_module(cfg.drafter["type"]), drafter_config(cfg)
+    module = drafter_module(cfg.drafter["type"])
+    dcfg = module.resolve(drafter_config(cfg), tc)  # the target's defaults, as a run resolves them
     with torch.device("meta"):
         target = AutoModelForCausalLM.from_config(tc).requires_grad_(False)
         drafter = module.build(dcfg, target)  # on the meta device: from configs alone

@@ -101,15 +101,17 @@ def test_the_check_sees_a_planted_family_name():
 
 
 def test_no_family_unwraps_a_distributed_wrapper_itself():
-    """DDP and DeepSpeed wrap the drafter; a family reads the module inside through
-    `models/training.py unwrap`, the one place that knows the wrapper's attribute."""
+    """DDP and DeepSpeed wrap the drafter; the loop hands `compute_loss` the drafter itself and the
+    wrapper as its `forward`, so no family reads, or reaches inside, a wrapper."""
     wrong = [
         f"{path.name} line {node.lineno}"
         for path in sorted((ROOT / "models").glob("*.py"))
-        if path.name != "training.py"
         for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.Call)
-        and getattr(node.func, "id", None) == "getattr"
-        and any(isinstance(a, ast.Constant) and a.value == "module" for a in node.args)
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "getattr"
+            and any(isinstance(a, ast.Constant) and a.value == "module" for a in node.args)
+        )
+        or (isinstance(node, (ast.Name, ast.Attribute)) and "unwrap" in getattr(node, "id", getattr(node, "attr", "")))
     ]
     assert not wrong, wrong
