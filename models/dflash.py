@@ -62,6 +62,7 @@ from draftsmith.models.training import (
 from draftsmith.target.features import draft_embeddings
 from draftsmith.target.load import served_name
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, decay_position_weights, dpace_position_weights
+from draftsmith.util.precision import keep_rope_fp32
 
 NAME = "dflash"
 WEIGHTINGS = ("decay", "dpace", "uniform")
@@ -158,7 +159,7 @@ def add_backbone(module: nn.Module, config, n_aux: int, target_hidden: int) -> N
         layer.self_attn.q_norm = LlamaRMSNorm(config.head_dim, eps=eps)
         layer.self_attn.k_norm = LlamaRMSNorm(config.head_dim, eps=eps)
     module.norm = LlamaRMSNorm(h, eps=eps)
-    module.rotary = LlamaRotaryEmbedding(config)
+    module.rotary = keep_rope_fp32(LlamaRotaryEmbedding(config))
 
 
 def _heads(m: nn.Module, x, proj):

@@ -36,6 +36,7 @@ from draftsmith.models.training import layer_activation_bytes, lora_config
 from draftsmith.target.features import target_features, unpack_topk
 from draftsmith.target.generate import generate_batch
 from draftsmith.util.losses import DIVERGENCES, expected_acceptance
+from draftsmith.util.precision import keep_rope_fp32
 
 NAME = "distill"
 
@@ -136,7 +137,9 @@ def truncated_student(target, cfg: DrafterConfig):
     config.intermediate_size = cfg.intermediate_size or config.intermediate_size
     if getattr(config, "layer_types", None):  # per-layer attention kinds (sliding/full) follow their layers
         config.layer_types = [config.layer_types[i] for i in keep]
-    student = type(target)(config).to(next(target.parameters()).dtype)  # build() picks the training dtype
+    student = keep_rope_fp32(type(target)(config)).to(
+        next(target.parameters()).dtype
+    )  # build() picks the training dtype
     state = {}
     for name, tensor in target.state_dict().items():
         parts = name.split(".")
@@ -180,10 +183,10 @@ def build(cfg: DrafterConfig, target, dataset=None):
     if cfg.init == "truncate":
         student = truncated_student(target, cfg).to(dtype)
     elif next(target.parameters()).is_meta:  # `plan` sizes the run from configs alone: no download
-        student = AutoModelForCausalLM.from_config(model_config(cfg.init, what="drafter.init"))
+        student = keep_rope_fp32(AutoModelForCausalLM.from_config(model_config(cfg.init, what="drafter.init")))
     else:
         check_tokenizer(cfg.init, target)
-        student = AutoModelForCausalLM.from_pretrained(cfg.init, dtype=dtype)
+        student = keep_rope_fp32(AutoModelForCausalLM.from_pretrained(cfg.init, dtype=dtype))
     student = student.to(next(target.parameters()).device).train().requires_grad_(True)
     if cfg.lora_rank:
         from peft import get_peft_model
@@ -356,7 +359,7 @@ def read_export(path, target) -> dict[str, torch.Tensor]:
 
 
 def from_export(path, config: dict, cfg: DrafterConfig, target):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=next(target.parameters()).dtype)
+    return keep_rope_fp32(AutoModelForCausalLM.from_pretrained(path, dtype=next(target.parameters()).dtype))
 
 
 # The target is never trained: it is its own original (Medusa-2 differs).

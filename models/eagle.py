@@ -29,6 +29,7 @@ from draftsmith.models.training import layer_activation_bytes
 from draftsmith.target.features import draft_embeddings
 from draftsmith.util.losses import smooth_l1_feature_loss, soft_cross_entropy, topk_distillation_loss
 from draftsmith.util.masks import ttt_mask
+from draftsmith.util.precision import keep_rope_fp32
 
 NAME = "eagle"
 # Feature contract: which target tensors this family trains on. The online loop computes them
@@ -113,7 +114,7 @@ class EagleDrafter(nn.Module):
         self.layer = LlamaDecoderLayer(config, layer_idx=0)
         # EAGLE feeds fc's output straight into attention; vLLM's EagleLlama layer 0 has no input_layernorm.
         self.layer.input_layernorm = nn.Identity()
-        self.rotary = LlamaRotaryEmbedding(config)
+        self.rotary = keep_rope_fp32(LlamaRotaryEmbedding(config))
 
     def step(self, features, token_embeds, position_ids, attention_mask, cache=None):
         """One drafter pass. features, token_embeds: [B, T, H] (pair i = f_i with embed(t_{i+1}));

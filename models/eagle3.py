@@ -47,6 +47,7 @@ from draftsmith.target.features import draft_embeddings, target_features
 from draftsmith.target.load import resolve_target, served_name
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, topk_distillation_loss
 from draftsmith.util.masks import causal_mask, ttt_mask
+from draftsmith.util.precision import keep_rope_fp32
 
 NAME = "eagle3"
 
@@ -207,7 +208,7 @@ def add_body(
     module.lm_head = nn.Linear(h, draft_vocab, bias=False)
     module.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
     module.register_buffer("t2d", torch.zeros(target_vocab, dtype=torch.bool))
-    module.rotary = LlamaRotaryEmbedding(config)
+    module.rotary = keep_rope_fp32(LlamaRotaryEmbedding(config))
 
 
 def fuse(body, aux):
@@ -605,16 +606,22 @@ def speculators_forward_check(model, target, ours, prompt_ids: list[list[int]]) 
         )
         theirs.append(_to_target_vocab(small, model.d2t, mine[-1].shape[-1]))
     a, b = torch.cat(mine), torch.cat(theirs)
-    diff, argmax = logit_diff(a, b), (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    diff, top_a, top_b = logit_diff(a, b), a.argmax(-1), b.argmax(-1)
+    argmax = (top_a == top_b).float().mean().item()
+    # A flip between two logits closer than 2 * tol is a tie that rounding within the tolerance may
+    # break either way (an untrained head has many); beyond it the two drafters rank tokens differently.
+    gap = (a.gather(-1, top_a[:, None]) - a.gather(-1, top_b[:, None])).squeeze(-1)
+    flips = int(((top_a != top_b) & (gap > 2 * SPECULATORS_TOL)).sum())
     why = []
-    if argmax < 1:
-        why.append(f"argmax agreement {argmax:.1%} < 100%")
+    if flips:
+        why.append(f"argmax differs on {flips} rows whose top two logits are more than {2 * SPECULATORS_TOL:.0e} apart")
     if not diff <= SPECULATORS_TOL:  # nan fails too
         why.append(f"max |Δ logits| {diff:.1e} > {SPECULATORS_TOL:.0e}")
     return {
         "rows": len(a),
         "max_abs_logit_diff": diff,
         "logit_argmax_agreement": round(argmax, 4),
+        "argmax_flips_beyond_ties": flips,
         "tolerance": SPECULATORS_TOL,
         "passed": not why,
         **({"why": "; ".join(why)} if why else {}),

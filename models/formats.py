@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from draftsmith.util.precision import keep_rope_fp32
+
 
 def vllm_method(method: str):
     """`vllm_serving` of a family vLLM serves as speculative `method` with a chain of k drafts and no
@@ -78,7 +80,8 @@ def from_exported_head(drafter, config: dict, state: dict):
     for name, child in list(drafter.named_modules()):
         if isinstance(child, LlamaRotaryEmbedding):
             parent, _, attr = name.rpartition(".")
-            setattr(drafter.get_submodule(parent) if parent else drafter, attr, LlamaRotaryEmbedding(layer))
+            rope = keep_rope_fp32(LlamaRotaryEmbedding(layer))
+            setattr(drafter.get_submodule(parent) if parent else drafter, attr, rope)
         elif isinstance(child, LlamaRMSNorm):
             child.variance_epsilon = layer.rms_norm_eps
     drafter.config = layer

@@ -126,7 +126,7 @@ def load_target(name: str, dtype: str = "auto", cache_dir: str = "", device: str
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype)
     except OSError as e:
         raise DraftsmithError(f"target '{name}': cannot load ({str(e).splitlines()[0]})") from None
-    return freeze(model).to(device), ensure_pad(tok)
+    return freeze(precision.keep_rope_fp32(model)).to(device), ensure_pad(tok)
 
 
 def freeze(model: PreTrainedModel) -> PreTrainedModel:

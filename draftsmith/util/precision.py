@@ -147,3 +147,43 @@ def dtype_arg(value: str) -> str:
         return check(value, "--dtype")
     except DraftsmithError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# --- RoPE frequencies stay fp32 ---------------------------------------------------------------------
+# `module.to(torch.bfloat16)` casts every floating buffer, a rotary embedding's inverse frequencies
+# included; rounded to bf16 (8 bits of mantissa) a frequency is off by up to 2^-9 of itself, and the
+# angle at position p by p times that: at most 0.14 rad at position 100 and 1.4 rad at 1,000 for
+# SmolLM2's RoPE (theta 1e5, head dim 64), 0.12 and 1.2 for Qwen3-8B's (1e6, 128).
+# transformers' from_pretrained(dtype=bf16) keeps them fp32 and so do vLLM and speculators, which
+# compute RoPE from the config: a drafter cast after it was built would train and draft at other
+# angles than the engine serving it (measured: cos off by 4e-3 at position 21 on a bf16 EAGLE-3 head,
+# 2e-4 in speculators' forward check). Every cast (`.to`, `.bfloat16()`, DeepSpeed's bf16 engine,
+# deepcopy then `.float()`) goes through `nn.Module._apply`, so that is where the buffers are kept.
+
+
+class _Fp32Rope:
+    """Mixin for a rotary embedding module: its fp32 buffers keep fp32 through any cast; they still
+    follow device moves."""
+
+    def _apply(self, fn, recurse=True):
+        kept = {n: b for n, b in self._buffers.items() if b is not None and b.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            self._buffers[name] = before.to(self._buffers[name].device)
+        return self
+
+
+@functools.cache
+def _fp32_rope_class(cls: type) -> type:
+    return type(cls.__name__, (_Fp32Rope, cls), {"__module__": cls.__module__})
+
+
+def keep_rope_fp32(module: torch.nn.Module) -> torch.nn.Module:
+    """Give every rotary embedding in `module` (a submodule with an `inv_freq` buffer) fp32 buffers
+    that survive casts -> module. Call it while they are still fp32: at build, before any cast."""
+    for m in module.modules():
+        if "inv_freq" in m._buffers and not isinstance(m, _Fp32Rope):
+            if m.inv_freq.dtype != torch.float32:
+                raise ValueError(f"{type(m).__name__}.inv_freq is already {m.inv_freq.dtype}: call before casting")
+            m.__class__ = _fp32_rope_class(type(m))
+    return module

@@ -143,3 +143,42 @@ def test_the_matrix_fails_with_eagle1s_dtype_bug_put_back(target_dir, chat_jsonl
     with pytest.raises(RuntimeError, match="same dtype"):
         run_cell("eagle", "bf16-target", target_dir, chat_jsonl, tmp_path)
     run_cell("eagle", "fp32", target_dir, chat_jsonl, tmp_path / "fp32")  # the bug only shows across dtypes
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rope_frequencies_stay_fp32_in_a_bf16_drafter_and_in_its_export_read_back(family, target_dir, tmp_path):
+    """A drafter loaded on a bf16 target is cast to bf16, and so is one re-read from its export: its
+    RoPE frequencies must stay the fp32 ones vLLM and speculators compute from the config (rounded to
+    bf16 they shift every angle by up to position x 2^-9 of it; draftsmith/util/precision.py)."""
+    from draftsmith.models.folder import save_drafter
+    from draftsmith.models.registry import load_drafter
+    from draftsmith.ship.export import export, import_export
+    from draftsmith.target.load import fingerprint, load_target
+
+    module = DRAFTERS[family]
+    target, tok = load_target(str(target_dir), "bfloat16")
+    cfg = module.resolve(
+        module.DrafterConfig(**{k.removeprefix("drafter."): v for k, v in FAMILIES[family].items()}), target.config
+    )
+    data = {"input_ids": [list(range(5, 60))], "loss_mask": [[1] * 55]}
+    meta = {
+        "drafter": family,
+        "drafter_config": {"type": family, **cfg.__dict__},
+        "target": str(target_dir),
+        "target_fingerprint": fingerprint(target),
+    }
+    path = save_drafter(module.build(cfg, target, data), tmp_path / "final", meta)
+    fmt = module.SERVE_FORMAT or next(iter(module.EXPORTS))
+    loaded = load_drafter(path, target)[2]
+    exported = import_export(export(path, target, fmt, tmp_path / fmt, tok), target)[2]
+    theta = target.config.rope_parameters["rope_theta"]
+    found = 0
+    for what, model in (("target", target), ("drafter", loaded), (f"its {fmt} export", exported)):
+        assert next(model.parameters()).dtype == torch.bfloat16, what
+        for name, freq in model.named_buffers():
+            if name.endswith("inv_freq"):
+                dim = 2 * freq.numel()
+                exact = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+                assert freq.dtype == torch.float32 and torch.equal(freq, exact), f"{family}: {what}'s {name}"
+                found += 1
+    assert found >= 2 if family != "medusa" else found >= 1  # Medusa's heads have no attention

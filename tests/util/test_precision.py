@@ -173,3 +173,32 @@ def test_a_bf16_autocast_step_at_lr_2e5_changes_full_weights_as_an_fp32_step_doe
         f"mean |Δ| {d32.abs().mean():.3e} vs {d16.abs().mean():.3e}; same sign {((d16[moved] * d32[moved]) > 0).float().mean():.4f}; "
         f"kept by bf16 weights {kept.float().mean():.4f}"
     )
+
+
+def test_rope_frequencies_stay_fp32_through_every_cast():
+    """keep_rope_fp32: a cast to bf16 (or fp16 and back) leaves a rotary embedding's inverse
+    frequencies fp32 and exact, so its angles at position 1,000 are the fp32 ones; a plain module
+    loses them (the control)."""
+    import copy
+
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from draftsmith.util.precision import keep_rope_fp32
+
+    config = LlamaConfig(
+        hidden_size=128, num_attention_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e5}
+    )
+    exact = LlamaRotaryEmbedding(config).inv_freq.clone()
+    x, pos = torch.zeros(1, 1, 64), torch.tensor([[1000]])
+    cos32, _ = LlamaRotaryEmbedding(config)(x, pos)
+    plain = LlamaRotaryEmbedding(config).to(torch.bfloat16)
+    assert plain.inv_freq.dtype == torch.bfloat16
+    assert (plain(x, pos)[0] - cos32).abs().max() > 0.1  # what the rounding does to the angles
+    kept = keep_rope_fp32(LlamaRotaryEmbedding(config))
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.bfloat16(), lambda m: copy.deepcopy(m).half().float()):
+        m = cast(kept)
+        assert m.inv_freq.dtype == torch.float32 and torch.equal(m.inv_freq, exact)
+        assert torch.equal(m(x, pos)[0], cos32)
+    with pytest.raises(ValueError, match="call before casting"):
+        keep_rope_fp32(plain)
