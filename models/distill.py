@@ -137,9 +137,8 @@ def truncated_student(target, cfg: DrafterConfig):
     config.intermediate_size = cfg.intermediate_size or config.intermediate_size
     if getattr(config, "layer_types", None):  # per-layer attention kinds (sliding/full) follow their layers
         config.layer_types = [config.layer_types[i] for i in keep]
-    student = keep_rope_fp32(type(target)(config)).to(
-        next(target.parameters()).dtype
-    )  # build() picks the training dtype
+    # In the target's dtype; build() picks the training dtype.
+    student = keep_rope_fp32(type(target)(config)).to(next(target.parameters()).dtype)
     state = {}
     for name, tensor in target.state_dict().items():
         parts = name.split(".")

@@ -155,10 +155,11 @@ def dtype_arg(value: str) -> str:
 # angle at position p by p times that: at most 0.14 rad at position 100 and 1.4 rad at 1,000 for
 # SmolLM2's RoPE (theta 1e5, head dim 64), 0.12 and 1.2 for Qwen3-8B's (1e6, 128).
 # transformers' from_pretrained(dtype=bf16) keeps them fp32 and so do vLLM and speculators, which
-# compute RoPE from the config: a drafter cast after it was built would train and draft at other
-# angles than the engine serving it (measured: cos off by 4e-3 at position 21 on a bf16 EAGLE-3 head,
-# 2e-4 in speculators' forward check). Every cast (`.to`, `.bfloat16()`, DeepSpeed's bf16 engine,
-# deepcopy then `.float()`) goes through `nn.Module._apply`, so that is where the buffers are kept.
+# compute RoPE from the config: a drafter cast after it was built (loaded in the target's dtype for
+# an eval, say) would draft at other angles than the engine serving it (measured: cos off by 4e-3 at
+# position 21 on a bf16 EAGLE-3 head, 2e-4 in speculators' forward check). Every module cast (`.to`,
+# `.bfloat16()`, deepcopy then `.float()`) goes through `nn.Module._apply`, so that is where the
+# buffers are kept.
 
 
 class _Fp32Rope:
