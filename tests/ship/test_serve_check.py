@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith import DraftsmithError
-from draftsmith.ship.serve_check import serve_check, tau_tolerance, vllm_acceptance
+from draftsmith.ship.serve_check import divergences, near_tie_limit, serve_check, tau_tolerance, vllm_acceptance
 from draftsmith.target import vllm_server
 
 EAGLE3 = {"drafter.type": "eagle3", "drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60}
@@ -403,6 +403,41 @@ def test_counters_from_vllms_metrics_text(monkeypatch):
 def test_tau_tolerance_is_one_round_per_prompt_plus_near_ties():
     assert tau_tolerance(12, 652) == pytest.approx(0.03 + 12 / 652)
     assert tau_tolerance(12, 12) == pytest.approx(1.03)  # one round each: nothing can be compared
+
+
+def test_low_precision_divergences_are_judged_by_the_targets_logit_gap_where_outputs_part(tiny_target):
+    """In bf16 vLLM's speculative and target-only outputs may part at a near-tie: each parting is
+    read on the target's own logits after the shared prefix, and only a gap within a few bf16 steps
+    passes. Built here on the target's greedy continuation: at position 2, two outputs that take the
+    two closest of its top tokens (a near-tie), one that takes the least likely token against the
+    greedy one (no near-tie), and one that ends at EOS there."""
+    import torch
+
+    target, tok = tiny_target
+    prompt, out = [5, 6, 7], []
+    with torch.no_grad():
+        for _ in range(4):
+            out.append(int(target(torch.tensor([prompt + out])).logits[0, -1].argmax()))
+        logits = target(torch.tensor([prompt + out[:2]])).logits[0, -1].float()
+    top = logits.topk(10)
+    i = int((top.values[:-1] - top.values[1:]).argmin())  # the two closest neighbours among the top 10
+    a, b, last = int(top.indices[i]), int(top.indices[i + 1]), int(logits.argmin())
+    rows = divergences(
+        target,
+        [prompt] * 4,
+        [out, out[:2] + [a, 9], out[:2] + [last], out[:2]],
+        [out, out[:2] + [b], out, out],
+        tok.eos_token_id,
+    )
+    assert [r["prompt"] for r in rows] == [1, 2, 3] and all(r["position"] == 2 for r in rows)
+    assert rows[0]["tokens"] == [a, b] and rows[2]["tokens"] == [tok.eos_token_id, out[2]]
+    limit = near_tie_limit(logits.max().item())
+    for r, (x, y) in zip(rows, ((a, b), (last, out[2]), (tok.eos_token_id, out[2]))):
+        gap = abs(logits[x] - logits[y]).item()
+        assert r["gap"] == pytest.approx(gap, abs=1e-4) and r["near_tie"] == (gap <= limit)
+    assert rows[0]["near_tie"] and not rows[1]["near_tie"]  # both verdicts occur
+    # 4 bf16 steps: 0.5 for logits of 16 to 32, 0.0625 for logits of 2 to 4, 0.03125 below 2.
+    assert near_tie_limit(20.0) == 0.5 and near_tie_limit(-3.0) == 0.0625 and near_tie_limit(0.2) == 0.03125
 
 
 def test_startup_error_is_the_line_that_names_the_cause():
