@@ -386,11 +386,12 @@ def markdown(r: dict) -> str:
             "| engine | τ | acceptance | per-position | lossless |",
             "|---|---|---|---|---|",
             f"| vLLM | {r['vllm_tau']:.2f} | {r['vllm_acceptance_rate']:.2f} | {pp(r['vllm_per_position'])} | "
-            f"identical to vLLM target-only: {yes(r['identical_to_target_only'], r['prompts_identical_to_target_only'])} |",
+            f"{_vllm_lossless_cell(r, yes)} |",
             f"| draftsmith | {r['draftsmith_tau']:.2f} | {r['draftsmith_acceptance_rate']:.2f} | "
             f"{pp(r['draftsmith_per_position'])} | {r.get('draftsmith_lossless_cell', '?')} |",
             "",
-            f"vLLM target-only = draftsmith's target-only: {yes(r['identical_to_draftsmith'], r['prompts_identical_to_draftsmith'])}. "
+            f"vLLM target-only = draftsmith's target-only: {yes(r['identical_to_draftsmith'], r['prompts_identical_to_draftsmith'])}"
+            f"{'' if 'divergences' not in r else ' (required in fp32 only)'}. "
             "vLLM's rounds are not visible from outside, so its column is output identity; draftsmith's is the "
             "verification rule checked round by round (`rule_exact`), with identity beside it (report.md of `draftsmith eval` "
             "explains both).",
@@ -416,6 +417,19 @@ def markdown(r: dict) -> str:
             ),
             "",
         ]
+    )
+
+
+def _vllm_lossless_cell(r: dict, yes) -> str:
+    """fp32: identity with vLLM's target-only outputs. bf16: whether every parting is a near-tie,
+    with the identity count beside it, as draftsmith's own column reads."""
+    if "divergences" not in r:
+        return f"identical to vLLM target-only: {yes(r['identical_to_target_only'], r['prompts_identical_to_target_only'])}"
+    ties = all(d["near_tie"] for d in r["divergences"])
+    n, same = r["num_prompts"], r["prompts_identical_to_target_only"]
+    return (
+        f"{'yes' if ties else 'NO'} (identical to vLLM target-only {same}/{n}, {r['dtype']}; "
+        f"{'the other ' + str(n - same) + ' part at near-ties' if ties else 'parts beyond a near-tie'})"
     )
 
 
