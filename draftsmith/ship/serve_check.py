@@ -314,7 +314,7 @@ def serve_check(
     ]
     result["draftsmith_speedup"] = ours["speedup"]
     result["draftsmith_batch_curve"] = ours.get("batch_curve")
-    exact = dtype in ("float32", "fp32")
+    exact = next(target.parameters()).dtype == torch.float32  # what `dtype` (`auto` too) resolved to
     if not exact:  # where vLLM's speculative outputs part from its target-only ones, and at what gap
         # on the model vLLM verified with (Medusa-2: the exported backbone, not the original target)
         served_model = load_target(served, dtype)[0] if info.get("backbone") else target
