@@ -95,3 +95,25 @@ def test_scaling_bench_runs_two_processes_through_launch_sh(tiny_target_dir, cha
     assert rows[0]["tokens_per_s_per_process"] == rows[0]["tokens_per_s"] / 2
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ddp |")]
     assert len(table) == 1 and table[0].split("|")[5].strip() == "-"  # no 1-process row to compare with
+
+
+@pytest.mark.parametrize("family", ["dflash", "dspark", "dflash2"])
+def test_block_step_cost_times_a_real_step_and_counts_every_trained_slot(family, tmp_path):
+    """One micro-batch of a tiny 4-layer target: the step trains as many slot rows as the blocks it
+    samples have mask slots, and each timing is a positive wall time."""
+    from benchmarks import block_step_cost
+    from benchmarks.tiny_target import TINY_DRAFTERS
+    from draftsmith.models.registry import drafter_module
+    from draftsmith.target.load import load_target
+    from tests.conftest import save_target
+
+    target, _ = load_target(str(save_target(tmp_path, layers=4)), "float32")
+    module = drafter_module(family)
+    cfg = module.DrafterConfig(
+        **{k.removeprefix("drafter."): v for k, v in TINY_DRAFTERS[family].items()}, num_anchors=5
+    )
+    ids = torch.randint(5, 100, (2, 20), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    r = block_step_cost.measure(family, cfg, target, batch, draft_vocab=32, reps=1)
+    assert r["slot_rows"] == 2 * 5 * (cfg.block_size - 1)  # 5 anchors per sequence, B-1 slots each
+    assert min(r["step_s"], r["full_vocab_s"], r["draft_vocab_s"]) > 0

@@ -1,0 +1,101 @@
+"""What share of a block drafter's training step its slots' full-vocabulary logits take.
+
+    python -m benchmarks.block_step_cost [--target smollm2-135m] [--families dspark,dflash2,dflash]
+                                         [--data builtin:code] [--draft-vocab 8192] [--reps 3]
+
+For each family, its CPU recipe's drafter (`recipes/cpu/FAMILY-smollm2.yaml`) on one micro-batch of
+the recipe's size: the whole training step (`compute_loss` forward and backward, in the precision
+`auto` picks, under bf16 autocast where that is bf16, as the loop runs it), then the part of it
+that scores every trained slot against the vocabulary (the frozen lm_head and the cross-entropy,
+forward and backward, on as many rows), over the full vocabulary and over a reduced draft vocabulary
+of `--draft-vocab` rows, which the block families do not have yet (vLLM's DFlash loader takes one:
+`draft_vocab_size`, `d2t` and its own lm_head). Printed side by side, in seconds, from one process.
+Nothing else may run beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.data.batching import build_dataset, collate
+from draftsmith.models.registry import drafter_module
+from draftsmith.target.features import target_features
+from draftsmith.target.load import load_target
+from draftsmith.train.config import drafter_config, load_config
+from draftsmith.util import precision
+
+
+def timed(fn, reps: int) -> float:
+    fn()  # warm-up: allocations, oneDNN's kernel choice
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps
+
+
+def measure(family: str, dcfg, target, batch: dict, draft_vocab: int, reps: int = 3) -> dict:
+    """-> seconds of one training step and of its slot logits over the full and the draft vocabulary."""
+    module = drafter_module(family)
+    dcfg = module.resolve(dcfg, target.config)
+    torch.manual_seed(0)
+    drafter = module.build(dcfg, target, {"input_ids": batch["input_ids"].tolist()}).train()
+    feats = target_features(target, batch, module.feature_names(dcfg, target.config))
+    bf16 = next(target.parameters()).dtype == torch.bfloat16
+    rows = []
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, n, _ = module.compute_loss(drafter, target, batch, feats, dcfg)
+        (loss / n).backward()
+        drafter.zero_grad(set_to_none=True)
+        rows[:] = [int(n) * (dcfg.block_size - 1)]  # n counts blocks; each trains its B-1 mask slots
+
+    whole = timed(step, reps)
+    weight = target.get_output_embeddings().weight  # frozen: only the slots' outputs get a gradient
+
+    def head(vocab: int):
+        def run():
+            h = torch.randn(rows[0], weight.shape[1], requires_grad=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = F.linear(h.to(weight.dtype), weight[:vocab]).float()
+            F.cross_entropy(logits, torch.randint(0, vocab, (rows[0],))).backward()
+
+        return run
+
+    full = timed(head(weight.shape[0]), reps)
+    small = timed(head(min(draft_vocab, weight.shape[0])), reps)
+    return {"family": family, "slot_rows": rows[0], "step_s": whole, "full_vocab_s": full, "draft_vocab_s": small}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--families", default="dspark,dflash2,dflash")
+    p.add_argument("--data", default="builtin:code")
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args(argv)
+    target, tok = load_target(args.target, "auto")
+    print(f"machine: {precision.describe(precision.hardware('cpu'))}; target {args.target}, data {args.data}")
+    print(
+        f"| family | slot rows | training step s | slot logits over {target.config.vocab_size:,} s (share) | over {args.draft_vocab:,} s |"
+    )
+    print("|---|---|---|---|---|")
+    for family in args.families.split(","):
+        cfg = load_config(f"recipes/cpu/{family}-smollm2.yaml", [f"data.train={args.data}"])
+        ds = build_dataset(cfg.data.train, tok, cfg.data.max_length)
+        batch = collate([ds[i] for i in range(cfg.optim.batch_size)], tok.pad_token_id)
+        r = measure(family, drafter_config(cfg), target, batch, args.draft_vocab, args.reps)
+        print(
+            f"| {family} | {r['slot_rows']} | {r['step_s']:.2f} | {r['full_vocab_s']:.2f} "
+            f"({r['full_vocab_s'] / r['step_s']:.0%}) | {r['draft_vocab_s']:.2f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
