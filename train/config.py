@@ -183,8 +183,6 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
     """Defaults < recipe YAML < overrides. Drafter keys are validated by the drafter's own config."""
     raw = read_yaml(recipe) if recipe else {}
     raw = _merge(raw, parse_overrides(overrides or []))
-    # Imported only now: the registry pulls in transformers (seconds), and a missing file should not wait.
-
     where = str(recipe) if recipe else "config"
     cfg = from_dict(Config, raw, where)
     drafter = dict(cfg.drafter)

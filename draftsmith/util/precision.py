@@ -170,7 +170,11 @@ class _Fp32Rope:
         kept = {n: b for n, b in self._buffers.items() if b is not None and b.dtype == torch.float32}
         super()._apply(fn, recurse)
         for name, before in kept.items():
-            self._buffers[name] = before.to(self._buffers[name].device)
+            after = self._buffers[name]
+            # Only a cast that changed the dtype is undone; a meta tensor has no values to restore
+            # (`to_empty` from meta keeps the dtype, and the model re-initialises such buffers).
+            if after is not None and after.dtype != torch.float32 and not before.is_meta:
+                self._buffers[name] = before.to(after.device)
         return self
 
 
