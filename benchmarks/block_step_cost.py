@@ -45,30 +45,30 @@ def measure(family: str, dcfg, target, batch: dict, draft_vocab: int, reps: int 
     drafter = module.build(dcfg, target, {"input_ids": batch["input_ids"].tolist()}).train()
     feats = target_features(target, batch, module.feature_names(dcfg, target.config))
     bf16 = next(target.parameters()).dtype == torch.bfloat16
-    rows = []
 
-    def step():
+    def step() -> int:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss, n, _ = module.compute_loss(drafter, target, batch, feats, dcfg)
         (loss / n).backward()
         drafter.zero_grad(set_to_none=True)
-        rows[:] = [int(n) * (dcfg.block_size - 1)]  # n counts blocks; each trains its B-1 mask slots
+        return int(n)
 
+    rows = step() * (dcfg.block_size - 1)  # n counts blocks; each trains its B-1 mask slots
     whole = timed(step, reps)
     weight = target.get_output_embeddings().weight  # frozen: only the slots' outputs get a gradient
 
     def head(vocab: int):
         def run():
-            h = torch.randn(rows[0], weight.shape[1], requires_grad=True)
+            h = torch.randn(rows, weight.shape[1], requires_grad=True)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 logits = F.linear(h.to(weight.dtype), weight[:vocab]).float()
-            F.cross_entropy(logits, torch.randint(0, vocab, (rows[0],))).backward()
+            F.cross_entropy(logits, torch.randint(0, vocab, (rows,))).backward()
 
         return run
 
     full = timed(head(weight.shape[0]), reps)
     small = timed(head(min(draft_vocab, weight.shape[0])), reps)
-    return {"family": family, "slot_rows": rows[0], "step_s": whole, "full_vocab_s": full, "draft_vocab_s": small}
+    return {"family": family, "slot_rows": rows, "step_s": whole, "full_vocab_s": full, "draft_vocab_s": small}
 
 
 def main(argv=None) -> None:
