@@ -10,7 +10,11 @@ Decoding", arXiv:2602.06036) drafting B-1 tokens in ONE pass, as vLLM 0.32 serve
 
 Attention is bidirectional inside the block (every slot sees all B) and sees the ctx strictly before
 the anchor a. The embeddings and lm_head are the target's, frozen: the export ships neither (nor a
-d2t), so vLLM shares the target's. Training packs many random anchors per sequence (resampled every
+d2t), so vLLM shares the target's. With `draft_vocab_size` the slots score only the most frequent
+trained tokens (FR-Spec) through a frozen copy of the target's lm_head rows for them, exported as
+lm_head.weight with d2t / t2d (vLLM's reduced-vocabulary DFlash and DSpark load both): the logits,
+the largest cost of a training step on a small target (benchmarks/block_step_cost.py), and of a
+drafting round shrink by V / V_d. Training packs many random anchors per sequence (resampled every
 step) into one forward; slot k's label is the target's next-token distribution at position a+k-1
 (its argmax for `ce`), weighted per slot (fixed decay or D-PACE, draftsmith/util/losses.py).
 
@@ -55,9 +59,11 @@ from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import from_exported_head, llama_dims, vllm_method, vllm_snippet, write_tensors
 from draftsmith.models.training import (
+    draft_vocab,
     layer_activation_bytes,
     mask_token,
     target_label_rows,
+    to_target_vocab,
 )
 from draftsmith.target.features import draft_embeddings
 from draftsmith.target.load import served_name
@@ -88,6 +94,10 @@ class DrafterConfig:
     dpace_alpha: float = 0.5
     num_anchors: int = 512
     """Blocks per sequence per step, drawn at random among the trained positions (fewer if fewer)."""
+    draft_vocab_size: int = 0
+    """0: the target's whole vocabulary through its own lm_head (vLLM shares it). n > 0: the n most
+    frequent trained tokens (FR-Spec, as EAGLE-3's): slots score only those, through a frozen copy of
+    the target's lm_head rows for them, exported with d2t / t2d (see `add_draft_vocab`)."""
 
     def __post_init__(self):
         check_block_config(self)
@@ -109,6 +119,11 @@ def check_block_config(cfg) -> None:
             f"drafter: expected num_layers >= 1, num_anchors >= 1, gamma > 0 and "
             f"0 <= dpace_alpha <= 1, got {cfg.num_layers}, {cfg.num_anchors}, {cfg.gamma}, "
             f"{cfg.dpace_alpha}"
+        )
+    size = getattr(cfg, "draft_vocab_size", 0)  # DFlash2 has none: vLLM's selector scores the whole vocabulary
+    if not isinstance(size, int) or size < 0:
+        raise DraftsmithError(
+            f"drafter.draft_vocab_size: expected 0 (the whole vocabulary) or a token count, got {size}"
         )
     if cfg.aux_layers is not None and len(set(cfg.aux_layers)) != len(cfg.aux_layers):
         raise DraftsmithError(
@@ -160,6 +175,58 @@ def add_backbone(module: nn.Module, config, n_aux: int, target_hidden: int) -> N
         layer.self_attn.k_norm = LlamaRMSNorm(config.head_dim, eps=eps)
     module.norm = LlamaRMSNorm(h, eps=eps)
     module.rotary = keep_rope_fp32(LlamaRotaryEmbedding(config))
+
+
+class DraftHead(nn.Module):
+    """A reduced vocabulary's output head: the target's lm_head rows of the draft tokens [V_d, H],
+    frozen. A buffer, not a parameter: never trained, never sharded by ZeRO-3 or FSDP, so the loss may
+    read it outside the wrapped forward; still `lm_head.weight` in the state dict, the name vLLM loads."""
+
+    def __init__(self, draft_vocab: int, hidden: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(draft_vocab, hidden))
+
+    def forward(self, x):
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+def add_draft_vocab(module: nn.Module, draft_vocab: int, vocab: int, hidden: int) -> None:
+    """A block drafter on a reduced vocabulary (0 < draft_vocab < vocab) gets `lm_head` (DraftHead) and
+    the maps vLLM and speculators read: d2t [V_d] (target id = draft id + d2t[draft id], draft ids in
+    target-id order) and t2d [V] (a target id is in the draft vocabulary). Filled by `fill_draft_vocab`,
+    or by the state dict of a saved drafter."""
+    if 0 < draft_vocab < vocab:
+        module.lm_head = DraftHead(draft_vocab, hidden)
+        module.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        module.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool))
+
+
+@torch.no_grad()
+def fill_draft_vocab(drafter: nn.Module, target, dataset) -> None:
+    """The draft vocabulary of `dataset` (its most frequent trained tokens, models/training.py
+    draft_vocab) into the drafter's maps, and the target's lm_head rows for it into its head."""
+    if not hasattr(drafter, "d2t"):
+        return
+    ids = draft_vocab(dataset, len(drafter.t2d), len(drafter.d2t))
+    drafter.d2t.copy_(ids - torch.arange(len(ids)))
+    drafter.t2d.zero_()
+    drafter.t2d[ids] = True
+    drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[ids])
+
+
+def draft_logits(drafter: nn.Module, target, h: torch.Tensor) -> torch.Tensor:
+    """Slot outputs h [..., H] -> logits over the draft vocabulary: the drafter's own head on a reduced
+    vocabulary, else the target's lm_head (in its dtype)."""
+    head = drafter.lm_head if hasattr(drafter, "d2t") else target.get_output_embeddings()
+    return head(h.to(head.weight.dtype))
+
+
+def target_vocab(drafter: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """Draft-vocabulary logits [..., V_d] -> the target's vocabulary [..., V], -inf off the draft
+    vocabulary (what the verifier's rejection sampling reads); unchanged on the whole vocabulary."""
+    if not hasattr(drafter, "d2t"):
+        return logits
+    return to_target_vocab(logits, drafter.d2t, len(drafter.t2d))
 
 
 def _heads(m: nn.Module, x, proj):
@@ -224,12 +291,14 @@ def block_pass(m: nn.Module, x, pos, kv, mask=None, around=plain_sublayers):
 
 
 class DFlashDrafter(nn.Module):
-    """DFlash's backbone alone (`add_backbone`): vLLM's `DFlashQwen3ForCausalLM` tensor names.
-    `forward` is the whole training pass (one forward per backward for DDP/FSDP)."""
+    """DFlash's backbone (`add_backbone`), and the head of a reduced vocabulary (`add_draft_vocab`):
+    vLLM's `DFlashQwen3ForCausalLM` tensor names. `forward` is the whole training pass (one forward per
+    backward for DDP/FSDP)."""
 
-    def __init__(self, config, n_aux: int, target_hidden: int):
+    def __init__(self, config, n_aux: int, target_hidden: int, draft_vocab: int = 0):
         super().__init__()
         add_backbone(self, config, n_aux, target_hidden)
+        add_draft_vocab(self, draft_vocab, config.vocab_size, config.hidden_size)
 
     def context_kv(self, aux, pos) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return context_kv(self, aux, pos)
@@ -264,9 +333,14 @@ def backbone_config(cfg, target):
 
 
 def build(cfg: DrafterConfig, target, dataset=None) -> DFlashDrafter:
+    """The drafter; on a reduced vocabulary, its draft tokens taken from `dataset` (none: a drafter
+    whose saved state fills them)."""
     cfg = resolve(cfg, target.config)
     config = backbone_config(cfg, target)
-    return DFlashDrafter(config, len(cfg.aux_layers), config.hidden_size)
+    drafter = DFlashDrafter(config, len(cfg.aux_layers), config.hidden_size, cfg.draft_vocab_size)
+    if dataset is not None:
+        fill_draft_vocab(drafter, target, dataset)
+    return drafter
 
 
 def rebuild(meta: dict, target) -> DFlashDrafter:
@@ -325,15 +399,17 @@ class Blocks:
     lab: torch.Tensor  # [N, B-1] the position a+k of slot k's token x_{a+k}
     valid: torch.Tensor  # [N, B-1] slot k is trained (a+k < T and x_{a+k} loss-masked)
     rows: torch.Tensor  # [N, B-1] the row of top/soft holding slot k's label
-    top: torch.Tensor  # [rows] the target's argmax at each label position
-    soft: torch.Tensor | None  # [rows, V] the target's logits there (kept when asked)
+    top: torch.Tensor  # [rows] the target's argmax at each label position, a draft id (-1: not in the draft vocabulary)
+    soft: torch.Tensor | None  # [rows, V_d] the target's logits there (kept when asked); on a reduced
+    # vocabulary its log-probabilities over the draft tokens, not renormalised
 
 
 @torch.no_grad()
-def block_targets(target, batch: dict, feats: dict, cfg, keep_soft: bool) -> Blocks:
+def block_targets(target, batch: dict, feats: dict, cfg, keep_soft: bool, t2d: torch.Tensor | None = None) -> Blocks:
     """Draw the anchors, pack their blocks, and compute the labels: slot k of anchor a is the input
     mask at position a+k, its label the target at position a+k-1 (its lm_head on last_hidden there),
-    trained iff a+k < T and x_{a+k} is loss-masked. `keep_soft`: keep the target's full logits too."""
+    trained iff a+k < T and x_{a+k} is loss-masked. `keep_soft`: keep the target's logits too. t2d
+    [V] (a reduced draft vocabulary, sorted by target id): labels in draft ids (`_draft_labels`)."""
     ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     t, nb = ids.shape[1], cfg.block_size
     anchors = sample_anchors(attn, lmask, cfg.num_anchors)
@@ -350,10 +426,23 @@ def block_targets(target, batch: dict, feats: dict, cfg, keep_soft: bool) -> Blo
         target.get_output_embeddings(),
         feats["last_hidden"],
         need,
-        lambda logits: (logits.argmax(-1), *([logits] if keep_soft else [])),
+        lambda logits: _draft_labels(logits, keep_soft, t2d),
     )
     rows = row_of[seq, (lab - 1).clamp(max=t - 1)].clamp(min=0)  # [N, B-1]; invalid slots: any row, weight 0
     return Blocks(block_ids, pos, mask, blk_b, blk_j, lab, valid, rows, top, full[0] if full else None)
+
+
+def _draft_labels(logits: torch.Tensor, keep_soft: bool, t2d: torch.Tensor | None) -> tuple:
+    """The target's logits [n, V] -> (its argmax [n], and if keep_soft the soft target). On a reduced
+    vocabulary the argmax is a draft id, -1 when the target's choice is not a draft token (the slot
+    cannot hit it), and the soft target is the log-probabilities of the draft tokens: the token losses
+    renormalise them (as EAGLE-3's), DSpark's acceptance label reads them as they are."""
+    top = logits.argmax(-1)
+    if t2d is None:
+        return top, *([logits] if keep_soft else [])
+    draft_id = t2d.cumsum(0) - 1  # draft ids are in target-id order: a target id's rank among t2d's
+    top = torch.where(t2d[top], draft_id[top], -1)
+    return top, *([logits.log_softmax(-1)[:, t2d]] if keep_soft else [])
 
 
 def forward_inputs(drafter, target, feats: dict, cfg, blocks: Blocks) -> tuple:
@@ -379,17 +468,20 @@ def slot_index(blocks: Blocks, block_size: int) -> tuple[torch.Tensor, torch.Ten
 def slot_token_loss(cfg, logits: torch.Tensor, blocks: Blocks):
     """The per-slot token loss of `logits` [N, B-1, V] (fp32) against the blocks' labels, weighted per
     slot (decay, D-PACE or uniform) -> (loss_sum, n_blocks, metric_sums): acc{d} (d = 0..B-2, `acc`
-    for d = 0) is draft d+1's (slot d+1's) top-1 agreement with the target."""
+    for d = 0) is draft d+1's (slot d+1's) top-1 agreement with the target. On a reduced vocabulary,
+    logits and labels are in draft ids; a label outside it (-1) is a miss that `ce` cannot train (weight 0)."""
     nb, device = cfg.block_size, logits.device
     labels, keep = blocks.top[blocks.rows], blocks.valid.float()
+    drafts = labels >= 0  # the target's choice is a draft token (always, on the whole vocabulary)
+    labels_ = labels.clamp(min=0)
     with torch.no_grad():
         conf = torch.ones(len(blocks.blk_b), nb, device=device)
         if cfg.position_weighting == "dpace":  # q_j = exp(-CE_j): the drafter's probability of the label
-            conf[:, 1:] = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0].exp()
+            conf[:, 1:] = torch.log_softmax(logits, -1).gather(-1, labels_[..., None])[..., 0].exp() * drafts
         w = slot_weights(cfg, conf, F.pad(keep, (1, 0)))[:, 1:]
     flat = logits.flatten(0, 1)
     if cfg.loss == "ce":
-        loss = (F.cross_entropy(flat, labels.flatten(), reduction="none") * w.flatten()).sum()
+        loss = (F.cross_entropy(flat, labels_.flatten(), reduction="none") * (w * drafts).flatten()).sum()
     else:  # the token losses take a per-row multiplier: the slot weights
         loss = TOKEN_LOSSES[cfg.loss](flat, blocks.soft[blocks.rows.flatten()], w.flatten())
     n = torch.tensor(len(blocks.blk_b), device=device)
@@ -410,10 +502,9 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     the blocks and labels: block_targets)."""
     forward = drafter if forward is None else forward  # the loop's distributed wrapper: its forward syncs gradients
     cfg = resolve(cfg, target.config)  # the exact mask token and layers (a no-op on a run's own config)
-    blocks = block_targets(target, batch, feats, cfg, keep_soft=cfg.loss != "ce")
+    blocks = block_targets(target, batch, feats, cfg, keep_soft=cfg.loss != "ce", t2d=getattr(drafter, "t2d", None))
     slots = forward(*forward_inputs(drafter, target, feats, cfg, blocks))[slot_index(blocks, cfg.block_size)]
-    lm_head = target.get_output_embeddings()
-    return slot_token_loss(cfg, lm_head(slots.to(lm_head.weight.dtype)).float(), blocks)
+    return slot_token_loss(cfg, draft_logits(drafter, target, slots).float(), blocks)
 
 
 def slot_weights(cfg: DrafterConfig, confidence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -439,10 +530,10 @@ class BlockProposer(Proposer):
     def __init__(self, drafter, target, cfg: DrafterConfig, around=plain_sublayers):
         self.drafter, self.cfg, self.around = drafter.eval(), cfg, around  # around: as block_pass's
         self.feature_names = feature_names(cfg, target.config)
-        self.embed, self.lm_head = draft_embeddings(target), target.get_output_embeddings()
-        # block outputs [t, H] -> logits [t, V]; an attribute, as FeatureProposer's, so `export --verify`
-        # can record every logits row the drafter computed (draftsmith/ship/publish.py Recorder).
-        self.logits = lambda out: self.lm_head(out.to(self.lm_head.weight.dtype))
+        self.embed = draft_embeddings(target)
+        # block outputs [t, H] -> draft-vocabulary logits [t, V_d]; an attribute, as FeatureProposer's, so
+        # `export --verify` can record every logits row the drafter computed (draftsmith/ship/publish.py Recorder).
+        self.logits = lambda out: draft_logits(self.drafter, target, out)
         self.max_depth = cfg.block_size - 1
         self.reset()
 
@@ -453,13 +544,14 @@ class BlockProposer(Proposer):
     def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> Draft:
         draft = Draft()
         for i, logits in enumerate(self.block_logits(tokens, feats, min(k, self.max_depth))):
+            logits = target_vocab(self.drafter, logits)
             q = None if sampler is None else sampler.probs(logits)
             draft.add(int(logits.argmax()) if q is None else sampler.sample(q), i - 1, q)
         return draft
 
     @torch.no_grad()
     def block_logits(self, tokens: torch.Tensor, feats: dict, m: int) -> torch.Tensor:
-        """The target-vocabulary logits [m, V] of slots 1..m (drafts 1..m)."""
+        """The draft-vocabulary logits [m, V_d] of slots 1..m (drafts 1..m)."""
         return self.logits(self.block_hidden(tokens, feats, m))
 
     @torch.no_grad()
@@ -499,7 +591,8 @@ def _init_fields(config: dict) -> dict:
     SpecForge checkpoint (`dflash_config.target_layer_ids`, already layer outputs)."""
     if "draftsmith_format" in config:
         own = config["drafter_config"]
-        return {k: own[k] for k in ("aux_layers", "block_size", "mask_token_id", "num_layers") if k in own}
+        keys = ("aux_layers", "block_size", "mask_token_id", "num_layers", "draft_vocab_size")
+        return {k: own[k] for k in keys if k in own}
     if config.get("speculators_model_type") == "dflash":
         return speculators_init_fields(config)
     native = config.get("dflash_config") or {}
@@ -513,9 +606,12 @@ def _init_fields(config: dict) -> dict:
 
 def speculators_init_fields(config: dict) -> dict:
     """The backbone's fields in a speculators block-drafter config (dflash, dspark): its top-level
-    aux ids are layer inputs, draftsmith names outputs (-1)."""
+    aux ids are layer inputs, draftsmith names outputs (-1); a draft_vocab_size below the verifier's
+    vocabulary is a reduced one."""
     ids = config.get("aux_hidden_state_layer_ids")
+    size, vocab = config.get("draft_vocab_size"), config["transformer_layer_config"].get("vocab_size")
     return {
+        "draft_vocab_size": size if size and vocab and size < vocab else None,  # None: the whole vocabulary
         "aux_layers": None if ids is None else [i - 1 for i in ids],
         "block_size": config.get("block_size"),
         "mask_token_id": config.get("mask_token_id"),
@@ -549,7 +645,7 @@ SERVE_FORMAT, vllm_serving = "speculators", vllm_method("dflash")
 
 def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
     config = speculators_block_config(drafter, cfg, target, meta, info, "dflash", ["DFlashSpeculator"], {})
-    write_tensors(out, config, drafter.state_dict())  # no embed_tokens / lm_head: vLLM shares the target's
+    write_tensors(out, config, drafter.state_dict())  # no embed_tokens; lm_head + d2t/t2d only on a reduced vocabulary
 
 
 def speculators_block_config(
@@ -558,6 +654,7 @@ def speculators_block_config(
     """The config.json of a speculators block drafter on DFlash's backbone (`algorithm` dflash or
     dspark); `extra`: the algorithm's own keys, written after the backbone's."""
     tc = target.config
+    reduced = hasattr(drafter, "d2t")
     dims = {
         **llama_dims(drafter),
         "model_type": "qwen3",
@@ -568,7 +665,8 @@ def speculators_block_config(
         "speculators_model_type": algorithm,
         "architectures": architectures,
         "transformer_layer_config": dims,
-        "draft_vocab_size": tc.vocab_size,  # full vocabulary: no d2t
+        # The whole vocabulary ships no lm_head / d2t (vLLM shares the target's); a reduced one ships both.
+        "draft_vocab_size": len(drafter.d2t) if reduced else tc.vocab_size,
         "target_hidden_size": drafter.fc.in_features // len(cfg.aux_layers),
         "block_size": cfg.block_size,
         # vLLM reads layer *inputs* (hidden_states[i]); draftsmith names outputs: +1.
@@ -601,11 +699,18 @@ def recognises(config: dict, tensor_names: set[str]) -> bool:
 
 
 def read_export(path, target) -> dict[str, torch.Tensor]:
-    """Both layouts name the body alike (layers.*, fc, hidden_norm, norm); the target's own
-    embeddings / lm_head, and a full-vocabulary map, are dropped if a checkpoint ships them."""
+    """Both layouts name the body alike (layers.*, fc, hidden_norm, norm). A reduced vocabulary (a d2t
+    shorter than the target's vocabulary) keeps its lm_head and maps, t2d rebuilt from d2t if missing
+    (vLLM needs none); otherwise the target's own embeddings / lm_head, and a full-vocabulary map, are
+    dropped if a checkpoint ships them."""
     state = load_state(path)
-    for name in ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d"):
+    vocab = target.config.vocab_size
+    reduced = "d2t" in state and len(state["d2t"]) < vocab
+    for name in ("embed_tokens.weight",) if reduced else ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d"):
         state.pop(name, None)
+    if reduced and "t2d" not in state:
+        d2t = state["d2t"].long()
+        state["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, torch.arange(len(d2t)) + d2t, True)
     return state
 
 
@@ -635,13 +740,14 @@ def consumer_check(exported, target, ours, prompt_ids) -> dict | None:
 
 def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, elem: int) -> int:
     """`plan`: B slots per anchor through every layer (plus the ctx K/V), the float attention mask
-    SDPA materialises, and the full-vocabulary logits of B-1 slots per anchor (fp32: logits,
+    SDPA materialises, and the (draft-vocabulary) logits of B-1 slots per anchor (fp32: logits,
     softmax and its gradient), or the teacher's 4096-row chunk if larger."""
     n_q = batch * min(cfg.num_anchors, length) * cfg.block_size
     layer = layer_activation_bytes(tc.hidden_size, dense_intermediate_size(tc), elem)
     body = n_q * cfg.num_layers * layer + batch * length * cfg.num_layers * 2 * tc.hidden_size * elem
     attn = elem * (n_q // max(batch, 1)) * (length + n_q // max(batch, 1)) * batch * cfg.num_layers
-    logits = 4 * 3 * tc.vocab_size * n_q * (cfg.block_size - 1) // cfg.block_size
+    vocab = getattr(cfg, "draft_vocab_size", 0) or tc.vocab_size
+    logits = 4 * 3 * vocab * n_q * (cfg.block_size - 1) // cfg.block_size
     return max(body + attn + logits, 4 * min(batch * length, 4096) * tc.vocab_size)
 
 

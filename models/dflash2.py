@@ -338,7 +338,13 @@ def _init_fields(config: dict) -> dict:
         keys = ("aux_layers", "block_size", "mask_token_id", "num_layers", *OWN_KEYS)
         return {k: own[k] for k in keys if k in own}
     if config.get("speculators_model_type") == "dflash2":
-        return {**dflash.speculators_init_fields(config), **{k: config.get(k) for k in OWN_KEYS}}
+        fields = dflash.speculators_init_fields(config)
+        if fields.pop("draft_vocab_size") is not None:  # speculators and vLLM refuse one too
+            raise DraftsmithError(
+                "init_from: a DFlash2 drafter with a reduced draft_vocab_size; DFlash2 needs the whole "
+                "vocabulary (vLLM 0.32's selector codebooks and candidates span it)"
+            )
+        return {**fields, **{k: config.get(k) for k in OWN_KEYS}}
     native = config.get("dflash_config") or {}
     return {
         "aux_layers": native.get("target_layer_ids"),  # already layer outputs

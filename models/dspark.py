@@ -25,7 +25,9 @@ k, computed under no_grad. As in both peers, the BCE's gradient also reaches the
 W2 starts at zero, so a fresh DSpark drafter drafts exactly as its DFlash backbone. Only the
 fill-in layout is trained (`sample_from_anchor: false`, K = B-1 drafts, slot 0 the bonus), the layout
 draftsmith's DFlash uses; the export says so explicitly (vLLM's default is false, speculators' true).
-Full vocabulary only: the export ships no embed_tokens / lm_head / d2t, vLLM shares the target's.
+On the whole vocabulary the export ships no embed_tokens / lm_head / d2t, vLLM shares the target's;
+with `draft_vocab_size` (as DFlash's) z_k, W2 and the draft live on the draft tokens and ship lm_head
+and d2t / t2d, while W1 still embeds target ids (vLLM's `DSparkMarkovHead`).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class DrafterConfig:
     dpace_alpha: float = 0.5
     num_anchors: int = 512
     """Blocks per sequence per step, drawn at random among the trained positions."""
+    draft_vocab_size: int = 0
+    """0: the whole vocabulary; n > 0: the n most frequent trained tokens (as dflash's)."""
     markov_rank: int = 256
     """r of the Markov head's W1 [V, r] and W2 [V, r] (speculators' default 256); vLLM requires >= 1."""
     enable_confidence_head: bool = True
@@ -97,7 +101,8 @@ class DrafterConfig:
 
 class MarkovHead(nn.Module):
     """markov_w1: an embedding of the previous TARGET-vocabulary token, [V, r]; markov_w2: its
-    projection to a logit bias, [V_d, r] (V_d = V: full vocabulary). W2 starts at zero."""
+    projection to a logit bias over the draft vocabulary, [V_d, r] (V_d = V on the whole vocabulary).
+    W2 starts at zero."""
 
     def __init__(self, vocab: int, draft_vocab: int, rank: int):
         super().__init__()
@@ -123,8 +128,10 @@ class DSparkDrafter(nn.Module):
     def __init__(self, config, n_aux: int, target_hidden: int, cfg: DrafterConfig):
         super().__init__()
         dflash.add_backbone(self, config, n_aux, target_hidden)
+        dflash.add_draft_vocab(self, cfg.draft_vocab_size, config.vocab_size, config.hidden_size)
         self.with_markov = cfg.confidence_head_with_markov
-        self.markov_head = MarkovHead(config.vocab_size, config.vocab_size, cfg.markov_rank)
+        draft_vocab = len(self.d2t) if hasattr(self, "d2t") else config.vocab_size
+        self.markov_head = MarkovHead(config.vocab_size, draft_vocab, cfg.markov_rank)
         width = config.hidden_size + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
         self.confidence_head = ConfidenceHead(width) if cfg.enable_confidence_head else None
 
@@ -133,7 +140,7 @@ class DSparkDrafter(nn.Module):
         return self.markov_head.markov_w1(prev)
 
     def markov_bias(self, e: torch.Tensor) -> torch.Tensor:
-        """W2 e: [..., r] -> the logit bias [..., V]."""
+        """W2 e: [..., r] -> the logit bias [..., V_d]."""
         w2 = self.markov_head.markov_w2
         return w2(e.to(w2.weight.dtype))
 
@@ -165,9 +172,13 @@ def resolve(cfg: DrafterConfig, target_config, init_config: dict | None = None) 
 
 
 def build(cfg: DrafterConfig, target, dataset=None) -> DSparkDrafter:
+    """The drafter; on a reduced vocabulary its draft tokens from `dataset` (dflash.build's rule)."""
     cfg = resolve(cfg, target.config)
     config = dflash.backbone_config(cfg, target)
-    return DSparkDrafter(config, len(cfg.aux_layers), config.hidden_size, cfg)
+    drafter = DSparkDrafter(config, len(cfg.aux_layers), config.hidden_size, cfg)
+    if dataset is not None:
+        dflash.fill_draft_vocab(drafter, target, dataset)
+    return drafter
 
 
 def rebuild(meta: dict, target) -> DSparkDrafter:
@@ -187,20 +198,23 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     ids = batch["input_ids"]
     t = ids.shape[1]
     # The confidence label needs the target's full distribution, whatever the token loss.
-    blocks = dflash.block_targets(target, batch, feats, cfg, keep_soft=cfg.loss != "ce" or cfg.enable_confidence_head)
+    t2d = getattr(drafter, "t2d", None)  # a reduced vocabulary: labels in draft ids, soft targets its log-probs
+    blocks = dflash.block_targets(
+        target, batch, feats, cfg, keep_soft=cfg.loss != "ce" or cfg.enable_confidence_head, t2d=t2d
+    )
     # Teacher forcing: slot k drafts x_{a+k} (blocks.lab = a+k), so its previous token is the data token
     # x_{a+k-1}: the anchor (the bonus) for slot 1, then the token slot k-1 was trained to draft.
     # Slots past the sequence end read a clamped position; their weight is 0.
     prev = ids[blocks.blk_b[:, None], (blocks.lab - 1).clamp(max=t - 1)]
     inputs = dflash.forward_inputs(drafter, target, feats, cfg, blocks)
     h, bias, conf_logits = forward(*inputs, dflash.slot_index(blocks, cfg.block_size), prev)
-    lm_head = target.get_output_embeddings()
-    logits = lm_head(h.to(lm_head.weight.dtype)).float() + bias.float()  # [N, B-1, V]
+    logits = dflash.draft_logits(drafter, target, h).float() + bias.float()  # [N, B-1, V_d]
     loss, n, metrics = dflash.slot_token_loss(cfg, logits, blocks)
     if conf_logits is None:
         return loss, n, metrics
     keep = blocks.valid.float().flatten()
-    accept = soft_acceptance(logits.flatten(0, 1), blocks.soft[blocks.rows.flatten()])  # [N*(B-1)], no grad
+    soft = blocks.soft[blocks.rows.flatten()]
+    accept = soft_acceptance(logits.flatten(0, 1), soft, target_logprobs=t2d is not None)  # [N*(B-1)], no grad
     bce = confidence_bce(conf_logits.flatten(), accept, keep)
     with torch.no_grad():
         # The loop divides metric sums by n (blocks): scaled by n / (trained slots), each reads per slot.
@@ -215,7 +229,8 @@ def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, e
     """`plan`: DFlash's estimate, plus the Markov bias and the corrected logits of B-1 slots per anchor
     and the target's kept distribution of each (fp32)."""
     slots = batch * min(cfg.num_anchors, length) * (cfg.block_size - 1)
-    return dflash.activation_bytes(cfg, tc, drafter, batch, length, elem) + 3 * 4 * tc.vocab_size * slots
+    vocab = cfg.draft_vocab_size or tc.vocab_size
+    return dflash.activation_bytes(cfg, tc, drafter, batch, length, elem) + 3 * 4 * vocab * slots
 
 
 # --- inference ---------------------------------------------------------------------------------------
@@ -249,13 +264,14 @@ class MarkovProposer(Proposer):
     def propose(self, tokens: torch.Tensor, feats: dict, k: int, sampler=None) -> Draft:
         d, m = self.drafter, min(k, self.max_depth)
         h = self.blocks.block_hidden(tokens, feats, m)  # [m, H]: slots 1..m, one backbone pass
-        z = self.blocks.logits(h)  # [m, V]: the target's lm_head, all slots at once
+        z = self.blocks.logits(h)  # [m, V_d]: the draft-vocabulary logits, all slots at once
         n_feats = next(iter(feats.values())).shape[1]
         prev = tokens[0, n_feats]  # the bonus x_{n-1}, the block's slot 0 (as BlockProposer feeds it)
         draft, confidence = Draft(), []
         for i in range(m):
             e = d.markov_embed(prev)
-            logits = self.logits((z[i], e))
+            # Markov-corrected in draft space (as vLLM), then over the target's vocabulary: -inf off the draft one.
+            logits = dflash.target_vocab(d, self.logits((z[i], e)))
             q = None if sampler is None else sampler.probs(logits)
             token = int(logits.argmax()) if q is None else sampler.sample(q)
             draft.add(token, i - 1, q)
@@ -278,7 +294,7 @@ def _init_fields(config: dict) -> dict:
     export (draftsmith's or a peer's: speculators, whose sample_from_anchor defaults to true)."""
     if "draftsmith_format" in config:
         own = config["drafter_config"]
-        keys = ("aux_layers", "block_size", "mask_token_id", "num_layers", *OWN_KEYS)
+        keys = ("aux_layers", "block_size", "mask_token_id", "num_layers", "draft_vocab_size", *OWN_KEYS)
         return {k: own[k] for k in keys if k in own}
     kind = config.get("markov_head_type", "vanilla")
     if kind != "vanilla":
@@ -314,7 +330,7 @@ def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out,
     }
     # speculators' architecture name; vLLM maps any name it does not know to Qwen3DSparkModel.
     config = dflash.speculators_block_config(drafter, cfg, target, meta, info, "dspark", ["DSparkSpeculator"], own)
-    write_tensors(out, config, drafter.state_dict())  # no embed_tokens / lm_head / d2t: vLLM shares the target's
+    write_tensors(out, config, drafter.state_dict())  # no embed_tokens; lm_head + d2t/t2d only on a reduced vocabulary
 
 
 EXPORTS = {"speculators": write_speculators}

@@ -42,7 +42,7 @@ from draftsmith.models.formats import (
     vllm_snippet,
     write_tensors,
 )
-from draftsmith.models.training import draft_vocab, target_label_rows
+from draftsmith.models.training import draft_vocab, target_label_rows, to_target_vocab
 from draftsmith.target.features import draft_embeddings, target_features
 from draftsmith.target.load import resolve_target, served_name
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, topk_distillation_loss
@@ -249,9 +249,7 @@ def to_target_ids(body, draft_ids):
 
 def target_vocab_logits(body, out):
     """Draft-vocab logits scattered into the target vocabulary (-inf outside the draft vocab)."""
-    small = draft_logits(body, out)
-    full = small.new_full((*small.shape[:-1], body.t2d.shape[0]), float("-inf"))
-    return full.index_copy_(-1, to_target_ids(body, torch.arange(small.shape[-1], device=small.device)), small)
+    return to_target_vocab(draft_logits(body, out), body.d2t, body.t2d.shape[0])
 
 
 class Eagle3Drafter(nn.Module):
@@ -604,7 +602,7 @@ def speculators_forward_check(model, target, ours, prompt_ids: list[list[int]]) 
                 ours.step(ours.to_hidden(feats), ours.embed(nxt).float(), pos, causal_mask(t, t, device=device), None)
             )[0]
         )
-        theirs.append(_to_target_vocab(small, model.d2t, mine[-1].shape[-1]))
+        theirs.append(to_target_vocab(small, model.d2t, mine[-1].shape[-1]))  # speculators' d2t is ours
     a, b = torch.cat(mine), torch.cat(theirs)
     diff, top_a, top_b = logit_diff(a, b), a.argmax(-1), b.argmax(-1)
     argmax = (top_a == top_b).float().mean().item()
@@ -647,13 +645,6 @@ def _speculators_first_step(model, aux: torch.Tensor, next_ids: torch.Tensor, po
     finally:
         hook.remove()
     return grab[0]
-
-
-def _to_target_vocab(small: torch.Tensor, d2t: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Draft-vocab logits [T, V_draft] -> [T, vocab], -inf off the draft vocabulary; speculators'
-    d2t is ours: target id = draft id + d2t[draft id]."""
-    ids = torch.arange(small.shape[-1], device=small.device)
-    return small.new_full((small.shape[0], vocab), float("-inf")).index_copy(-1, ids + d2t[ids], small)
 
 
 FAMILY = Family(

@@ -51,6 +51,13 @@ def draft_vocab(dataset, vocab: int, size: int) -> torch.Tensor:
     return order.sort().values
 
 
+def to_target_vocab(small: torch.Tensor, d2t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft-vocabulary logits [..., V_d] -> [..., vocab], -inf off the draft vocabulary (target id =
+    draft id + d2t[draft id], the d2t of vLLM and speculators)."""
+    ids = torch.arange(small.shape[-1], device=small.device)
+    return small.new_full((*small.shape[:-1], vocab), float("-inf")).index_copy(-1, ids + d2t[ids], small)
+
+
 def lora_config(cfg, model: torch.nn.Module):
     """peft LoraConfig from a family config's lora_rank / lora_alpha / lora_dropout / lora_target_modules
     (Medusa-2's backbone, a distilled student); names that are not linear layers of `model` fail with

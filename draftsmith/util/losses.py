@@ -193,15 +193,20 @@ def dpace_position_weights(confidence: torch.Tensor, mask: torch.Tensor, alpha: 
 
 
 @torch.no_grad()
-def soft_acceptance(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+def soft_acceptance(
+    draft_logits: torch.Tensor, target_logits: torch.Tensor, target_logprobs: bool = False
+) -> torch.Tensor:
     """DSpark's confidence target, per row: a = sum_x min(q(x), p(x)) = 1 - TV(q, p), the probability
     that speculative sampling (Leviathan et al. 2023, Corollary 3.6) accepts a token drawn from the
     drafter q = softmax(draft_logits) against the target p = softmax(target_logits), at temperature 1.
 
     draft_logits, target_logits: [N, V] -> a [N] in [0, 1], detached (a label, never differentiated;
-    speculators' and SpecForge's DSpark compute it under no_grad as well). 1 iff q == p."""
+    speculators' and SpecForge's DSpark compute it under no_grad as well). 1 iff q == p.
+    target_logprobs: target_logits are the target's log-probabilities over a subset of its vocabulary
+    (a reduced draft vocabulary, where q lives), so p = exp of them, not renormalised: the target's mass
+    off the subset is never accepted, and a stays the true acceptance probability."""
     q = F.softmax(draft_logits.float(), dim=-1)
-    p = F.softmax(target_logits.float(), dim=-1)
+    p = target_logits.float().exp() if target_logprobs else F.softmax(target_logits.float(), dim=-1)
     return torch.minimum(q, p).sum(-1).clamp(0.0, 1.0)
 
 

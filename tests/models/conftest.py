@@ -25,10 +25,10 @@ def block_feats(module, target, cfg, ids):
     )
 
 
-def train_on_random_tokens(module, drafter, target, cfg, steps: int, metrics: set[str]):
-    """`steps` AdamW steps (lr 3e-3) on 2 random sequences of 24 tokens, the first 4 masked; every step
-    trains 16 anchors and reports exactly `metrics`. -> (ids [2, 24], per-step metric means)."""
-    ids = torch.randint(5, 60, (2, 24))
+def train_on_random_tokens(module, drafter, target, cfg, steps: int, metrics: set[str], ids=None):
+    """`steps` AdamW steps (lr 3e-3) on 2 random sequences of 24 tokens (or `ids`), the first 4 masked;
+    every step trains 16 anchors and reports exactly `metrics`. -> (ids [2, 24], per-step metric means)."""
+    ids = torch.randint(5, 60, (2, 24)) if ids is None else ids
     lmask = torch.ones_like(ids)
     lmask[:, :4] = 0
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": lmask}

@@ -13,6 +13,7 @@ from draftsmith.eval.config import EvalConfig
 from draftsmith.eval.drafters import Resolved
 from draftsmith.eval.run import evaluate
 from draftsmith.models import dflash
+from draftsmith.models.folder import load_state
 from draftsmith.ship.export import export, export_family, init_weights
 from tests.models.conftest import block_feats, train_on_random_tokens
 from tests.ship.test_export import _same_decoding, _save
@@ -194,9 +195,76 @@ def test_native_zlab_layout_is_read_by_init_from(target4, tmp_path):
     ).aux_layers == [0, 1, 2]
 
 
+def _vocab_data(tokens: list[int]) -> dict:
+    """A dataset whose most frequent trained tokens are `tokens` (twice each; 0..4 once, untrained)."""
+    return {"input_ids": [tokens * 2 + [0, 1, 2, 3, 4]], "loss_mask": [[1] * (2 * len(tokens)) + [0] * 5]}
+
+
+def test_reduced_vocabulary_scores_the_draft_tokens_only_and_stays_lossless(target4, tmp_path):
+    """draft_vocab_size: the head is the target's lm_head rows of the most frequent trained tokens
+    (frozen: buffers, no parameter), and the slots' logits are the whole-vocabulary drafter's on those
+    tokens (-inf elsewhere over the target's vocabulary); greedy decoding stays lossless; the export
+    ships lm_head, d2t and t2d under vLLM's names and decodes alike when read back."""
+    torch.manual_seed(0)
+    vocab, keep = target4.config.vocab_size, list(range(20, 50))
+    cfg = _cfg(draft_vocab_size=len(keep))
+    d = dflash.build(cfg, target4, _vocab_data(keep)).eval()
+    assert d.t2d.nonzero().flatten().tolist() == keep and (d.d2t + torch.arange(30)).tolist() == keep
+    assert torch.equal(d.lm_head.weight, target4.get_output_embeddings().weight[keep])
+    assert not any("lm_head" in n or "d2t" in n for n, _ in d.named_parameters())  # never trained
+    whole = dflash.build(_cfg(), target4).eval()
+    assert not hasattr(whole, "d2t")
+    whole.load_state_dict({k: v for k, v in d.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")})
+    ids = torch.randint(5, 90, (1, 12))
+    feats = _feats(target4, cfg, ids)
+    mine, theirs = (dflash.make_proposer(m, target4, cfg) for m in (d, whole))
+    small = mine.block_logits(ids, {n: f[:, :10] for n, f in feats.items()}, 3)
+    full = theirs.block_logits(ids, {n: f[:, :10] for n, f in feats.items()}, 3)
+    assert small.shape == (3, 30) and torch.allclose(small, full[:, keep], atol=1e-6)
+    lifted = dflash.target_vocab(d, small)
+    assert lifted.shape == (3, vocab) and torch.equal(lifted[:, keep], small)
+    assert lifted.isinf().sum() == 3 * (vocab - 30)
+    draft = mine.propose(ids[:, :11], {n: f[:, :10] for n, f in feats.items()}, 3)
+    assert draft.tokens == [keep[i] for i in small.argmax(-1).tolist()]  # target ids
+    prompt = ids[0, :8].tolist()
+    stats = Stats(k=3)
+    assert speculative_greedy(target4, mine, prompt, 3, 30, {2}, stats) == target_greedy(target4, prompt, 30, {2})
+    path = _save(tmp_path, dflash, cfg, target4)
+    out = export(path, target4, "speculators", tmp_path / "spec")
+    c, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    assert c["draft_vocab_size"] == 30 and state["lm_head.weight"].shape == (30, 32)
+    assert state["d2t"].shape == (30,) and state["t2d"].shape == (vocab,) and "embed_tokens.weight" not in state
+    _same_decoding(path, out, target4)
+    assert dflash.from_init(dflash.DrafterConfig(), c, target4.config).draft_vocab_size == 30
+    # A peer's export without t2d (vLLM needs none) reads back with t2d rebuilt from d2t.
+    del state["t2d"]
+    save_file(state, out / "model.safetensors")
+    assert torch.equal(dflash.read_export(out, target4)["t2d"], load_state(path)["t2d"])
+
+
+def test_labels_off_the_draft_vocabulary_are_misses_without_loss(target4):
+    """A slot whose target argmax is not a draft token cannot be drafted: `ce` gives it no loss and
+    the acceptance metrics count it as a miss. With none of the target's choices in the draft
+    vocabulary, the loss and every acc are 0; with all of them in it, every trained slot counts."""
+    torch.manual_seed(0)
+    ids = torch.randint(5, 90, (1, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        chosen = sorted(set(target4(ids).logits.argmax(-1)[0].tolist()))
+    others = [t for t in range(target4.config.vocab_size) if t not in chosen]
+    for tokens, empty in ((others[: len(others) // 2], True), (chosen + others[:5], False)):
+        cfg = _cfg(num_anchors=100, draft_vocab_size=len(tokens))
+        d = dflash.build(cfg, target4, _vocab_data(tokens))
+        blocks = dflash.block_targets(target4, batch, _feats(target4, cfg, ids), cfg, False, d.t2d)
+        assert (blocks.top < 0).all() if empty else (blocks.top >= 0).all(), tokens
+        total, n, m = dflash.compute_loss(d, target4, batch, _feats(target4, cfg, ids), cfg)
+        assert (total.item() == 0 and all(v.item() == 0 for v in m.values())) if empty else total.item() > 0
+
+
 def test_bad_configs_are_one_line_errors(target4):
     for kw, match in [
         ({"block_size": 1}, "drafter.block_size"),
+        ({"draft_vocab_size": -1}, "drafter.draft_vocab_size"),
         ({"aux_layers": [0, 1, 1]}, "repeated layer ids"),
         ({"loss": "kl"}, "unknown loss 'kl'"),
         ({"position_weighting": "x"}, "position_weighting"),

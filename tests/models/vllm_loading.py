@@ -41,7 +41,12 @@ def build(export_dir: str, target_dir: str, module_cls, method: str, k: int):
 def landed(name: str, tensor: torch.Tensor, params: dict) -> tuple[str, int] | None:
     """The vLLM parameter and row offset holding exactly `tensor` (vocabulary rows are padded and
     q/k/v, gate/up stacked, so the checkpoint tensor is a block of rows), or None."""
-    dest = "model." + ".".join(STACKED.get(p, p) for p in name.split("."))
+    # The names the modules' load_weights give (qwen3_dflash.py, qwen3_dspark.py): a reduced vocabulary's
+    # d2t and lm_head sit beside the model, everything else inside it.
+    if name in ("d2t", "lm_head.weight"):
+        dest = {"d2t": "draft_id_to_target_id"}.get(name, name)
+    else:
+        dest = "model." + ".".join(STACKED.get(p, p) for p in name.split("."))
     param = params.get(dest)
     if param is None or param.shape[1:] != tensor.shape[1:]:
         return None

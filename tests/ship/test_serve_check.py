@@ -49,6 +49,13 @@ FAMILIES = {
         "drafter.depths": 4,
     },
     "dflash": {"drafter.type": "dflash", "drafter.aux_layers": [0, 1, 2], "drafter.block_size": 4},
+    # A reduced vocabulary: vLLM loads the drafter's own lm_head and d2t instead of sharing the target's.
+    "dflash-vocab": {
+        "drafter.type": "dflash",
+        "drafter.aux_layers": [0, 1, 2],
+        "drafter.block_size": 4,
+        "drafter.draft_vocab_size": 60,
+    },
 }
 
 
@@ -218,7 +225,8 @@ def test_a_broken_export_fails_with_a_tau_difference(pattern, trained, target_se
 @needs_vllm
 @pytest.mark.vllm_families
 @pytest.mark.parametrize(
-    "family", ["eagle", "medusa", "medusa2", "distill", "eagle3.1", "eagle3.1-fc_norm", "peagle", "dflash"]
+    "family",
+    ["eagle", "medusa", "medusa2", "distill", "eagle3.1", "eagle3.1-fc_norm", "peagle", "dflash", "dflash-vocab"],
 )
 def test_every_family_vllm_serves_passes(pattern, trained, target_server, tmp_path, family):
     # Medusa-2 serves its own trained backbone: the shared target-only server does not apply.

@@ -178,6 +178,20 @@ def test_a_drafter_equal_to_the_target_has_zero_main_loss_and_acceptance_one():
     assert not a.requires_grad and not soft_acceptance(other.requires_grad_(), logits).requires_grad
 
 
+def test_acceptance_on_a_reduced_vocabulary_never_counts_the_targets_mass_off_it():
+    """A drafter on draft tokens D proposes nothing else: a = sum_{x in D} min(q(x), p(x)) with the
+    target's own p, so target log-probabilities over D give exactly that (a renormalised p over D
+    would overstate it), and a drafter equal to p on D is accepted with probability p(D)."""
+    torch.manual_seed(0)
+    target, keep = torch.randn(5, 40), torch.arange(40) % 3 == 0
+    p, q_logits = target.softmax(-1), torch.randn(5, int(keep.sum()))
+    logp = target.log_softmax(-1)[:, keep]
+    a = soft_acceptance(q_logits, logp, target_logprobs=True)
+    assert torch.allclose(a, torch.minimum(q_logits.softmax(-1), p[:, keep]).sum(-1), atol=1e-6)
+    assert (a < soft_acceptance(q_logits, logp)).all()  # the renormalised reading overstates it
+    assert torch.allclose(soft_acceptance(logp, logp, target_logprobs=True), p[:, keep].sum(-1), atol=1e-6)
+
+
 def test_confidence_bce_is_minimal_where_confidence_equals_acceptance():
     a = torch.tensor([0.05, 0.3, 0.5, 0.9, 0.999])
     mask = torch.ones(5)
