@@ -167,7 +167,7 @@ def _adaptive(r: dict) -> list[str]:
         ],
         "",
         *(
-            [f"Adaptive outputs identical to target-only: {LOSSLESS[a['adaptive']['lossless']]}.", ""]
+            [f"Adaptive verification lossless: {lossless_cell({**r, **a['adaptive']})}.", ""]
             if a["adaptive"].get("lossless") is not None
             else []
         ),

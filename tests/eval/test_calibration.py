@@ -105,6 +105,7 @@ def test_eval_reports_calibration_and_adaptive_verification_for_a_drafter_with_c
     assert json.loads((out / "report.json").read_text())["calibration"] == cal
     md = (out / "report.md").read_text()
     assert "## Confidence calibration" in md and "## Adaptive verification" in md
+    assert "Adaptive verification lossless: yes (identical 2/2, fp32)." in md  # the rule, then the identity count
     # Given costs: a costly verification cuts every chain to what its confidences justify.
     confident = Resolved("confident", Confident(target), target, None)
     given = evaluate(confident, tok, str(chat_jsonl), None, cfg, kernels=False, adaptive_costs=AdaptiveCosts(0.0, 0.5))
