@@ -51,7 +51,7 @@ class EvalArgs:
 class CompareArgs:
     drafter: list[str]
     """a drafter folder (PATH@TREE for a tree), a layer-skip folder, none, ngram, lookahead, hybrid:PATH
-    or cascade:LOW,MID"""
+    or cascade:LOW,MID; any of them @k=N for chains of N (its own --k)"""
     data: list[str]
     """a holdout (repeat for several domains)"""
     target: str | None = None

@@ -4,7 +4,8 @@ target-only baseline measured once per holdout -> compare.json, compare.md, comp
 A drafter is anything `eval/drafters.py resolve` resolves: a trained drafter folder, a layer-skip folder
 (`draftsmith layerskip`), `none`, `ngram`, `lookahead`, `hybrid:PATH` or `cascade:LOW,MID`; a trained
 one optionally with its own draft tree: `PATH@static:recipes/trees/medusa-4heads.json` or
-`PATH@dynamic:depth=3,top_k=3,tokens=8`.
+`PATH@dynamic:depth=3,top_k=3,tokens=8`; any of them with its own chain length, `SPEC@k=4` (P-EAGLE's
+4 drafts per pass beside block drafters of 7 and --k 7).
 """
 
 from __future__ import annotations

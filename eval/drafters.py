@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
+from draftsmith import DraftsmithError
 from draftsmith.engine import selfspec
 from draftsmith.engine.cascade import build_cascade, parse_cascade
 from draftsmith.engine.lookahead import HybridProposer, LookaheadProposer
@@ -20,6 +21,7 @@ class Resolved(NamedTuple):
     proposer: Proposer | None  # None: target-only decoding
     verifier: object  # the target, or the backbone a drafter trained (Medusa-2)
     tree: str | None  # the `@TREE` of the spec
+    k: int | None = None  # the `@k=N` of the spec: this drafter's own chain length (else the run's --k)
 
 
 def make_baseline(name: str):
@@ -31,6 +33,14 @@ def parse_drafter(spec: str) -> tuple[str, str | None]:
     """`PATH[@TREE]` -> (path, tree spec or None)."""
     path, _, tree = spec.partition("@")
     return path, tree or None
+
+
+def chain_length(suffix: str, spec: str) -> int:
+    """`k=N` -> N >= 1, or a one-line error naming the spec."""
+    n = suffix.removeprefix("k=")
+    if not n.isdigit() or int(n) < 1:
+        raise DraftsmithError(f"--drafter {spec}: expected @k=N with N >= 1 (a chain of N drafts), got @{suffix}")
+    return int(n)
 
 
 def trained_folders(spec: str) -> list[str]:
@@ -52,9 +62,13 @@ def resolve(spec: str, target, allow_stale: bool = False) -> Resolved:
     - `hybrid:PATH`: prompt lookup when the context repeats itself, the trained drafter at PATH otherwise;
     - `cascade:LOW,MID`: LOW (`ngram` or a student folder) drafts for MID (a distilled student or a
       layer-skip folder), whose greedy continuation the target verifies (draftsmith/engine/cascade.py);
-    - a layer-skip folder (`draftsmith layerskip`), or a trained drafter folder, `PATH@TREE` for a tree.
+    - a layer-skip folder (`draftsmith layerskip`), or a trained drafter folder, `PATH@TREE` for a tree;
+    - any of them `@k=N`: chains of N drafts for this drafter (a drafter with its own best length, or
+      one that drafts fewer tokens per round than the run's --k, beside the others in one `compare`).
     The verifier is the target, except for a drafter that trained its backbone (Medusa-2)."""
     path, tree = parse_drafter(spec)
+    if tree is not None and tree.startswith("k="):  # `SPEC@k=N`: a chain of N, whatever the run's --k
+        return resolve(path, target, allow_stale)._replace(tree=None, k=chain_length(tree, spec))
     if path in ("none", "ngram"):
         return Resolved(path, make_baseline(path), target, tree)
     if path.split(":")[0] == "lookahead":  # `lookahead` or `lookahead:W=5,N=3,G=3`
@@ -62,9 +76,12 @@ def resolve(spec: str, target, allow_stale: bool = False) -> Resolved:
         return Resolved(proposer.spec(), proposer, target, None)
     if path.startswith("hybrid:"):
         inner = path.removeprefix("hybrid:")
-        _, model, verifier, tree = resolve(inner + (f"@{tree}" if tree else ""), target, allow_stale)
+        own = resolve(inner + (f"@{tree}" if tree else ""), target, allow_stale)
         return Resolved(
-            f"hybrid ({Path(inner).parent.name or inner})", HybridProposer(NgramProposer(), model), verifier, tree
+            f"hybrid ({Path(inner).parent.name or inner})",
+            HybridProposer(NgramProposer(), own.proposer),
+            own.verifier,
+            own.tree,
         )
     if path.startswith("cascade:"):
         names = parse_cascade(path.removeprefix("cascade:"))

@@ -75,7 +75,9 @@ def evaluate(
     prompts decoded again with adaptive verification beside this full-block run (`adaptive_section`).
     adaptive_costs: that run's cost model; None = measured here (`measure_costs`)."""
     name, proposer, target = drafter.label, drafter.proposer, drafter.verifier
-    k, tree, temperature, top_p = cfg.k, drafter.tree or cfg.tree, cfg.temperature, cfg.top_p
+    # A spec's own `@k=N` (a chain) or `@TREE` wins over the run's --k / --tree.
+    k, tree = (drafter.k, None) if drafter.k else (cfg.k, drafter.tree or cfg.tree)
+    temperature, top_p = cfg.temperature, cfg.top_p
     max_new_tokens = cfg.max_new_tokens
     spec = parse_tree(tree) if tree else None
     if batch_sizes and (spec is not None or temperature > 0):

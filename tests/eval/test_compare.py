@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
+from draftsmith import DraftsmithError
 from draftsmith.cli import main
+from draftsmith.eval.drafters import resolve
 from tests.conftest import lossless_ok
 
 
@@ -195,6 +199,8 @@ def test_block_drafters_run_in_compare_the_batch_curve_and_the_hybrid_like_any_d
                 str(runs["dflash"]),
                 "--drafter",
                 f"hybrid:{runs['dflash']}",
+                "--drafter",
+                "ngram@k=2",  # its own chain length
                 "--data",
                 str(chat_jsonl),
                 "--k",
@@ -212,6 +218,10 @@ def test_block_drafters_run_in_compare_the_batch_curve_and_the_hybrid_like_any_d
         == 0
     )
     reports = json.loads((out / "compare.json").read_text())
-    assert [r["drafter"].split(" ")[0] for r in reports] == ["peagle", "dflash", "hybrid"]
-    assert all(lossless_ok(r) and r["k"] == 3 and not r["tree"] for r in reports)
+    assert [r["drafter"].split(" ")[0] for r in reports] == ["peagle", "dflash", "hybrid", "ngram"]
+    assert all(lossless_ok(r) and r["k"] == (2 if r["drafter"] == "ngram" else 3) and not r["tree"] for r in reports)
+    assert max(len(r["per_position"]) for r in reports if r["drafter"] == "ngram") <= 2
+    with pytest.raises(DraftsmithError, match=r"--drafter ngram@k=0: expected @k=N with N >= 1") as e:
+        resolve("ngram@k=0", None)
+    assert "\n" not in str(e.value)
     assert all([c["batch_size"] for c in r["batch_curve"]] == [1, 2] for r in reports)
