@@ -272,6 +272,9 @@ def test_speculators_export_is_what_vllm_reads_and_round_trips(target4, tmp_path
     got = dflash2.from_init(dflash2.DrafterConfig(), c, target4.config)
     assert (got.aux_layers, got.num_layers, got.block_size, got.mask_token_id) == ([0, 1, 2], 2, 4, 3)
     assert (got.conv_kernel_size, got.conv_group_size, got.selector_rank, got.selector_top_k) == (2, 8, 6, 5)
+    with pytest.raises(DraftsmithError, match="DFlash2 needs the whole vocabulary") as e:  # as speculators, vLLM
+        dflash2.from_init(dflash2.DrafterConfig(), {**c, "draft_vocab_size": 40}, target4.config)
+    assert "\n" not in str(e.value)
     fresh = dflash2.build(got, target4)
     init_weights(fresh, "dflash2", out, target4)
     assert all(torch.equal(fresh.state_dict()[k], t) for k, t in state.items())
