@@ -72,7 +72,7 @@ class DrafterConfig:
     draft_vocab_size: int = 0
     """0: the whole vocabulary; n > 0: the n most frequent trained tokens (as dflash's)."""
     markov_rank: int = 256
-    """r of the Markov head's W1 [V, r] and W2 [V, r] (speculators' default 256); vLLM requires >= 1."""
+    """r of the Markov head's W1 [V, r] and W2 [V_d, r] (speculators' default 256); vLLM requires >= 1."""
     enable_confidence_head: bool = True
     """Train the confidence head (its c_k go on every draft: adaptive verification, ECE)."""
     confidence_head_with_markov: bool = True
