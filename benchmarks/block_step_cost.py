@@ -1,15 +1,15 @@
-"""What share of a block drafter's training step its slots' full-vocabulary logits take.
+"""What share of a block drafter's whole-vocabulary training step its slots' logits take.
 
     python -m benchmarks.block_step_cost [--target smollm2-135m] [--families dspark,dflash2,dflash]
                                          [--data builtin:code] [--draft-vocab 8192] [--reps 3]
 
-For each family, its CPU recipe's drafter (`recipes/cpu/FAMILY-smollm2.yaml`) on one micro-batch of
-the recipe's size: the whole training step (`compute_loss` forward and backward, in the precision
-`auto` picks, under bf16 autocast where that is bf16, as the loop runs it), then the part of it
-that scores every trained slot against the vocabulary (the frozen lm_head and the cross-entropy,
-forward and backward, on as many rows), over the full vocabulary and over a reduced draft vocabulary
-of `--draft-vocab` rows, which the block families do not have yet (vLLM's DFlash loader takes one:
-`draft_vocab_size`, `d2t` and its own lm_head). Printed side by side, in seconds, from one process.
+For each family, its CPU recipe's drafter (`recipes/cpu/FAMILY-smollm2.yaml`) on the whole
+vocabulary (a recipe's `draft_vocab_size` set to 0), on one micro-batch of the recipe's size: the
+whole training step (`compute_loss` forward and backward, in the precision `auto` picks, under bf16
+autocast where that is bf16, as the loop runs it), then the part of it that scores every trained slot
+against the vocabulary (the frozen lm_head and the cross-entropy, forward and backward, on as many
+rows), over the full vocabulary and over a reduced draft vocabulary of `--draft-vocab` rows (what
+DFlash's and DSpark's `draft_vocab_size` saves). Printed side by side, in seconds, from one process.
 Nothing else may run beside it.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +42,10 @@ def measure(family: str, dcfg, target, batch: dict, draft_vocab: int, reps: int 
     """-> seconds of one training step and of its slot logits over the full and the draft vocabulary."""
     module = drafter_module(family)
     dcfg = module.resolve(dcfg, target.config)
+    if getattr(dcfg, "draft_vocab_size", 0):  # the step whose full-vocabulary logits are measured below
+        dcfg = replace(dcfg, draft_vocab_size=0)
     torch.manual_seed(0)
-    drafter = module.build(dcfg, target, {"input_ids": batch["input_ids"].tolist()}).train()
+    drafter = module.build(dcfg, target).train()
     feats = target_features(target, batch, module.feature_names(dcfg, target.config))
     bf16 = next(target.parameters()).dtype == torch.bfloat16
 
