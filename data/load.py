@@ -104,7 +104,11 @@ def _load_dataset(spec: str, split: str):
 def located_records(spec: str, split: str = "train") -> list[tuple[str, dict | DraftsmithError]]:
     """Every record of `spec` with where it is: `file:line` in a jsonl file, `spec: record N`
     otherwise. A jsonl line that is no JSON object comes as the error saying so, for the caller to
-    skip or raise (`Malformed`). `split`: as in `read_records`."""
+    skip or raise (`Malformed`). `split`: as in `read_records`.
+    `A+B+...` (no such file): the records of each source in that order, so a recipe mixes domains
+    (`data.max_examples` then cuts the joined list: put the sources to keep whole first)."""
+    if "+" in spec and not Path(spec).exists():
+        return [row for part in spec.split("+") for row in located_records(part.strip(), split)]
     if spec.startswith("builtin:"):
         rows = builtin_corpus(spec.removeprefix("builtin:"))
     elif Path(spec).suffix == ".jsonl":

@@ -20,7 +20,8 @@ from draftsmith.util.parse import _merge, from_dict, parse_overrides, read_yaml
 @dataclass
 class DataConfig:
     train: str = "builtin:code"
-    """Training data: a jsonl/json/parquet path, a `datasets` name, or `builtin:code` / `builtin:prose`."""
+    """Training data: a jsonl/json/parquet path, a `datasets` name, or `builtin:code` / `builtin:prose`;
+    several joined by `+` (`builtin:prose+chat.jsonl`) train on their records in that order."""
     holdout: str = "builtin:code-holdout"
     """Domain holdout used by the eval stage (prompts only are used)."""
     split: str = "train"

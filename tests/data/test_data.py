@@ -72,6 +72,22 @@ def test_json_and_parquet_load(tmp_path):
     assert read_records(str(tmp_path / "d.parquet")) == rows
 
 
+def test_sources_joined_by_plus_keep_their_order_and_locations(tmp_path):
+    from draftsmith.data.load import located_records
+
+    rows = [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    joined = located_records(f"builtin:prose-holdout+{tmp_path / 'd.jsonl'}")
+    prose = builtin_corpus("prose-holdout")
+    assert [row for _, row in joined] == prose + rows
+    assert joined[-1][0] == f"{tmp_path / 'd.jsonl'}:2"  # each record still names its own source
+    with pytest.raises(DraftsmithError, match=r"missing.jsonl: data file not found"):
+        read_records(f"builtin:prose+{tmp_path / 'missing.jsonl'}")
+    # A file whose name holds a '+' is that file, not two sources.
+    (tmp_path / "a+b.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert read_records(str(tmp_path / "a+b.jsonl")) == rows[:1]
+
+
 def test_missing_chat_template_and_empty_dataset(tmp_path, chat_jsonl):
     with pytest.raises(DraftsmithError, match="chat template"):
         build_dataset(str(chat_jsonl), make_tokenizer(chat_template=None), 128)
