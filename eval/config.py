@@ -24,6 +24,10 @@ class EvalConfig:
     thinking: str = ""
     """The chat template's thinking mode for the holdout prompts: `on`, `off` or empty (in a training run:
     data.thinking, else the template's default). The report says which was used."""
+    lookup: bool = False
+    """A training run's eval stage also decodes with prompt lookup grafted onto the drafter's drafts
+    (the `hybrid:` drafter of `draftsmith eval`, draftsmith/engine/lookahead.py): a second row, against
+    its own target-only baseline. vLLM serves the drafter alone; this row is draftsmith's engine."""
     general_holdout: str = ""
     """With `init_from` (domain fine-tuning): a second holdout, e.g. the init's own domain. The eval then
     reports τ on both holdouts before (the init) and after fine-tuning, side by side."""

@@ -54,15 +54,18 @@ LOSSLESS_NOTE = (
 
 def require_rule_exact(report: dict, where: str) -> None:
     """A greedy run whose rounds broke the verification rule is not lossless: a one-line error (the
-    report is written first, as the evidence)."""
-    if report.get("rule_exact") is False:
-        raise DraftsmithError(
-            f"{where}: greedy verification broke the rule (rule_exact false) on "
-            f"{report['drafter']}: the speculation is not lossless (the report is in {where})"
-        )
+    report is written first, as the evidence). Its `with_lookup` row (eval.lookup) is held to the same."""
+    for r in [report, *([report["with_lookup"]] if report.get("with_lookup") else [])]:
+        if r.get("rule_exact") is False:
+            raise DraftsmithError(
+                f"{where}: greedy verification broke the rule (rule_exact false) on "
+                f"{r['drafter']}: the speculation is not lossless (the report is in {where})"
+            )
 
 
 def format_table(reports: list[dict]) -> str:
+    """One row per report; a report's `with_lookup` (eval.lookup) adds its row under it."""
+    reports = [row for r in reports for row in [r, *([r["with_lookup"]] if r.get("with_lookup") else [])]]
     head = "| drafter | draft | τ | acceptance | per-position | lossless | target tok/s | spec tok/s | speedup |"
     rows = [head, "|" + "---|" * 9]
     for r in reports:

@@ -15,7 +15,8 @@ from draftsmith.data.load import encode_prompt, load_prompts, thinking_kwargs
 from draftsmith.engine.batched import batch_curve
 from draftsmith.engine.cache import crop_cache
 from draftsmith.engine.drafts import Draft, parse_tree
-from draftsmith.engine.proposers import proposer_modules
+from draftsmith.engine.lookahead import HybridProposer
+from draftsmith.engine.proposers import NgramProposer, proposer_modules
 from draftsmith.engine.speculative import (
     Sampler,
     Stats,
@@ -330,6 +331,10 @@ def evaluate_drafter(
     verifier = module.verifier(drafter, target)
     proposer = module.make_proposer(drafter, verifier, dcfg)
     report = evaluate(Resolved(module.NAME, proposer, verifier, None), tok, holdout, None, cfg, **options)
+    if cfg.lookup:  # the same drafter with prompt lookup grafted on (eval.lookup): its own baseline, one more row
+        hybrid = HybridProposer(NgramProposer(), module.make_proposer(drafter, verifier, dcfg))
+        resolved = Resolved(f"hybrid ({module.NAME} + lookup)", hybrid, verifier, None)
+        report["with_lookup"] = evaluate(resolved, tok, holdout, None, cfg, **options)
     if verifier is not target:
         with module.original(drafter, target) as original:
             split = options.get("split", "train")
