@@ -52,10 +52,15 @@ LOSSLESS_NOTE = (
 )
 
 
+def rows_of(report: dict) -> list[dict]:
+    """The report, then its `with_lookup` row (eval.lookup) if it has one."""
+    return [report, *([report["with_lookup"]] if report.get("with_lookup") else [])]
+
+
 def require_rule_exact(report: dict, where: str) -> None:
     """A greedy run whose rounds broke the verification rule is not lossless: a one-line error (the
     report is written first, as the evidence). Its `with_lookup` row (eval.lookup) is held to the same."""
-    for r in [report, *([report["with_lookup"]] if report.get("with_lookup") else [])]:
+    for r in rows_of(report):
         if r.get("rule_exact") is False:
             raise DraftsmithError(
                 f"{where}: greedy verification broke the rule (rule_exact false) on "
@@ -65,7 +70,7 @@ def require_rule_exact(report: dict, where: str) -> None:
 
 def format_table(reports: list[dict]) -> str:
     """One row per report; a report's `with_lookup` (eval.lookup) adds its row under it."""
-    reports = [row for r in reports for row in [r, *([r["with_lookup"]] if r.get("with_lookup") else [])]]
+    reports = [row for r in reports for row in rows_of(r)]
     head = "| drafter | draft | τ | acceptance | per-position | lossless | target tok/s | spec tok/s | speedup |"
     rows = [head, "|" + "---|" * 9]
     for r in reports:

@@ -331,9 +331,13 @@ def evaluate_drafter(
     verifier = module.verifier(drafter, target)
     proposer = module.make_proposer(drafter, verifier, dcfg)
     report = evaluate(Resolved(module.NAME, proposer, verifier, None), tok, holdout, None, cfg, **options)
-    if cfg.lookup:  # the same drafter with prompt lookup grafted on (eval.lookup): its own baseline, one more row
-        hybrid = HybridProposer(NgramProposer(), module.make_proposer(drafter, verifier, dcfg))
-        resolved = Resolved(f"hybrid ({module.NAME} + lookup)", hybrid, verifier, None)
+    if cfg.lookup:  # the same drafter with prompt lookup grafted on (eval.lookup), one more row.
+        # Its own baseline, timed prompt by prompt beside it as the drafter's row is: a baseline timed
+        # once before several drafters drifts with the host (docs/benchmarks.md). The proposer is
+        # reused: decoding resets it for every prompt.
+        resolved = Resolved(
+            f"hybrid ({module.NAME} + lookup)", HybridProposer(NgramProposer(), proposer), verifier, None
+        )
         report["with_lookup"] = evaluate(resolved, tok, holdout, None, cfg, **options)
     if verifier is not target:
         with module.original(drafter, target) as original:
