@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.data.batching import build_dataset, collate
-from draftsmith.models.registry import drafter_module
+from draftsmith.models.registry import drafter_family
 from draftsmith.target.features import target_features
 from draftsmith.target.load import load_target
 from draftsmith.train.config import drafter_config, load_config
@@ -40,18 +40,18 @@ def timed(fn, reps: int) -> float:
 
 def measure(family: str, dcfg, target, batch: dict, draft_vocab: int, reps: int = 3) -> dict:
     """-> seconds of one training step and of its slot logits over the full and the draft vocabulary."""
-    module = drafter_module(family)
-    dcfg = module.resolve(dcfg, target.config)
+    fam = drafter_family(family)
+    dcfg = fam.resolve(dcfg, target.config)
     if getattr(dcfg, "draft_vocab_size", 0):  # the step whose full-vocabulary logits are measured below
         dcfg = replace(dcfg, draft_vocab_size=0)
     torch.manual_seed(0)
-    drafter = module.build(dcfg, target).train()
-    feats = target_features(target, batch, module.feature_names(dcfg, target.config))
+    drafter = fam.build(dcfg, target).train()
+    feats = target_features(target, batch, fam.feature_names(dcfg, target.config))
     bf16 = next(target.parameters()).dtype == torch.bfloat16
 
     def step() -> int:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, n, _ = module.compute_loss(drafter, target, batch, feats, dcfg)
+            loss, n, _ = fam.compute_loss(drafter, target, batch, feats, dcfg)
         (loss / n).backward()
         drafter.zero_grad(set_to_none=True)
         return int(n)

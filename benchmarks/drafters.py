@@ -69,9 +69,9 @@ class TimedProposer(Proposer):
         return self._timed(self.inner.propose_tree, tokens, feats, spec, steps=spec.depth)
 
 
-def matmul_weights(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
+def matmul_weights(family: nn.Module, skip: tuple[str, ...] = ()) -> int:
     return sum(
-        m.weight.numel() for name, m in module.named_modules() if isinstance(m, nn.Linear) and not name.startswith(skip)
+        m.weight.numel() for name, m in family.named_modules() if isinstance(m, nn.Linear) and not name.startswith(skip)
     )
 
 
@@ -203,9 +203,9 @@ def main(argv=None) -> None:
         # A family that trained the backbone (Medusa-2) gets its own copy of the target (its adapters
         # go into it) and is verified by that backbone, merged.
         own = target_to_load_on(target, drafters[name])
-        module, dcfg, drafter = load_drafter(drafters[name], own)
-        verifier = module.verifier(drafter, own)
-        timed = TimedProposer(module.make_proposer(drafter, verifier, dcfg))
+        family, dcfg, drafter = load_drafter(drafters[name], own)
+        verifier = family.verifier(drafter, own)
+        timed = TimedProposer(family.make_proposer(drafter, verifier, dcfg))
         tree = tree_for(name, meta["drafter"], args.tree)
         trees = [dict(tree=tree)] if tree and timed.drafts_trees else []  # a student drafts chains
         k = k_for(name, args.k)
@@ -244,17 +244,17 @@ def main(argv=None) -> None:
             (len(ids), ids + target_decode(verifier, ids, args.max_new_tokens, eos))
             for ids in (encode_prompt(tok, p) for p in load_prompts(args.data, args.num_prompts))
         ]
-        fresh = module.make_proposer(drafter, verifier, dcfg)  # untimed: the figures above stay the eval's
+        fresh = family.make_proposer(drafter, verifier, dcfg)  # untimed: the figures above stay the eval's
         costs[name]["draft_top1"] = draft_top1(fresh, verifier, answers, min(k, fresh.max_depth or k))
         print(f"{name}: draft top-1 per position {costs[name]['draft_top1']}")
         if verifier is not own:
-            with module.original(drafter, own) as original:
+            with family.original(drafter, own) as original:
                 costs[name]["drift"] = backbone_drift(
                     original,
                     verifier,
                     tok,
                     args.data,
-                    module.make_proposer(drafter, verifier, dcfg),
+                    family.make_proposer(drafter, verifier, dcfg),
                     replace(base, k=k),
                 )
             print(f"{name}: backbone drift {costs[name]['drift']}")

@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.tiny_target import TINY_DRAFTERS, TINY_LORA, make_tokenizer, plain_config, write_pattern_chats
+from benchmarks.tiny_target import TINY_RUNS, make_tokenizer, plain_config, write_pattern_chats
 from draftsmith.cli import main as cli
 from draftsmith.models.registry import DRAFTERS
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import train
 from draftsmith.util.precision import CPU_BF16_ENV
 
-# Each family at the tiny target's size; `+lora`: the variant whose backbone trains with LoRA.
-RUNS = {**TINY_DRAFTERS, **{f"{name}+lora": {**TINY_DRAFTERS[name], **lora} for name, lora in TINY_LORA.items()}}
+# Each registered family at the tiny target's size; `+lora`: the variant whose backbone trains with LoRA.
+RUNS = TINY_RUNS
 
 
 def digests(root: Path) -> list[str]:

@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import MemoryProfileTimeline
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from draftsmith.models.registry import drafter_module
+from draftsmith.models.registry import drafter_family
 from draftsmith.target.features import target_features
 from draftsmith.target.load import freeze, load_target
 from draftsmith.train.config import Config, drafter_config, load_config, resolve_precision
@@ -97,13 +97,13 @@ def build(cfg: Config):
         target = freeze(AutoModelForCausalLM.from_config(LlamaConfig(**TINY), dtype=precision.TORCH[cfg.target_dtype]))
     else:
         target, _ = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir)
-    module, dcfg = drafter_module(cfg.drafter["type"]), drafter_config(cfg)
+    family, dcfg = drafter_family(cfg.drafter["type"]), drafter_config(cfg)
     batch = full_batch(cfg, target.config.vocab_size)
     # The batch stands in for the dataset (an EAGLE-3 / Medusa draft vocabulary is counted on it).
-    drafter = module.build(dcfg, target, {k: batch[k].tolist() for k in ("input_ids", "loss_mask")})
-    groups = module.param_groups(drafter, dcfg, cfg.optim.lr)
+    drafter = family.build(dcfg, target, {k: batch[k].tolist() for k in ("input_ids", "loss_mask")})
+    groups = family.param_groups(drafter, dcfg, cfg.optim.lr)
     optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
-    return module, dcfg, target, drafter, optimizer, batch
+    return family, dcfg, target, drafter, optimizer, batch
 
 
 def full_batch(cfg: Config, vocab: int) -> dict:
@@ -119,8 +119,8 @@ def full_batch(cfg: Config, vocab: int) -> dict:
 
 
 def measure(cfg: Config) -> dict:
-    module, dcfg, target, drafter, optimizer, batch = build(cfg)
-    names = module.feature_names(dcfg, target.config)
+    family, dcfg, target, drafter, optimizer, batch = build(cfg)
+    names = family.feature_names(dcfg, target.config)
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
     autocast = torch.autocast(
         "cpu", dtype=precision.TORCH[cfg.optim.mixed_precision], enabled=cfg.optim.mixed_precision != "float32"
@@ -128,7 +128,7 @@ def measure(cfg: Config) -> dict:
 
     def step(n: int):  # the loop's micro-step and optimizer step, one process, no accumulation
         with autocast:
-            loss_sum, n_tok, _ = module.compute_loss(
+            loss_sum, n_tok, _ = family.compute_loss(
                 drafter, target, batch, target_features(target, batch, names) if names else {}, dcfg, step=n
             )
         (loss_sum / n_tok.clamp(min=1)).backward()

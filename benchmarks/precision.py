@@ -18,7 +18,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from draftsmith.models.registry import drafter_module
+from draftsmith.models.registry import drafter_family
 from draftsmith.target.load import load_target
 from draftsmith.util import precision
 
@@ -59,7 +59,7 @@ def train_step_s(target, dtype: torch.dtype, batch: int = 4, length: int = 128) 
     """One EAGLE-3 step (3 fused layers, 8192-token draft vocab, 3 TTT steps) under autocast, as the
     loop runs it with mixed precision; the target's features are given (offline cache)."""
     layers = target.config.num_hidden_layers
-    family = drafter_module("eagle3")
+    family = drafter_family("eagle3")
     cfg = family.DrafterConfig(
         draft_vocab_size=min(8192, target.config.vocab_size),
         ttt_steps=3,

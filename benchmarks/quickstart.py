@@ -39,12 +39,12 @@ def main(argv=None) -> None:
 
     meta = json.loads((Path(args.drafter) / "config.json").read_text())
     target, tok = load_target(meta["target"])
-    module, dcfg, drafter = load_drafter(args.drafter, target)
+    family, dcfg, drafter = load_drafter(args.drafter, target)
     cfg = EvalConfig(k=args.k, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
     drafters = [
         Resolved("none", make_baseline("none"), target, None),
         Resolved("ngram", make_baseline("ngram"), target, None),
-        Resolved(module.NAME, module.make_proposer(drafter, target, dcfg), target, args.tree),
+        Resolved(family.NAME, family.make_proposer(drafter, target, dcfg), target, args.tree),
     ]
     reports = [evaluate(d, tok, args.data, None, cfg, target_name=meta["target"]) for d in drafters]
     print(

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from draftsmith.data.regenerate import regenerate, regenerate_vllm
-from draftsmith.models.registry import drafter_module
+from draftsmith.models.registry import drafter_family
 from draftsmith.target import vllm_server
 from draftsmith.target.load import fingerprint, load_target, resolve_target
 from draftsmith.train.config import drafter_config, load_config
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
     cfg = load_config(args.recipe, [])
     args.target = cfg.target
     target, tok = load_target(args.target, args.dtype)
-    names = drafter_module(cfg.drafter["type"]).feature_names(drafter_config(cfg), target.config)
+    names = drafter_family(cfg.drafter["type"]).feature_names(drafter_config(cfg), target.config)
 
     t = time.perf_counter()
     hf = regenerate(

@@ -121,12 +121,12 @@ def main(argv=None) -> None:
     updated, _ = load_target(str(updated_dir), "auto")
     cfg = EvalConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, tree=args.tree)
 
-    module, dcfg, drafter = load_drafter(args.drafter, target)
+    family, dcfg, drafter = load_drafter(args.drafter, target)
     rows = [
         (
             "original target",
             evaluate(
-                Resolved("original target", module.make_proposer(drafter, target, dcfg), target, None),
+                Resolved("original target", family.make_proposer(drafter, target, dcfg), target, None),
                 tok,
                 args.data,
                 None,
@@ -135,14 +135,14 @@ def main(argv=None) -> None:
             ),
         )
     ]
-    drift = backbone_drift(target, updated, tok, args.data, module.make_proposer(drafter, target, dcfg), cfg)
+    drift = backbone_drift(target, updated, tok, args.data, family.make_proposer(drafter, target, dcfg), cfg)
     stale = {"trained_for": meta["target_fingerprint"], "evaluated_on": fingerprint(updated)}
-    module, dcfg, drafter = load_drafter(args.drafter, updated, allow_stale=True)
+    family, dcfg, drafter = load_drafter(args.drafter, updated, allow_stale=True)
     rows.append(
         (
             "updated target, stale drafter",
             evaluate(
-                Resolved("stale", module.make_proposer(drafter, updated, dcfg), updated, None),
+                Resolved("stale", family.make_proposer(drafter, updated, dcfg), updated, None),
                 tok,
                 args.data,
                 None,
@@ -175,12 +175,12 @@ def main(argv=None) -> None:
         check=True,
     )
     refresh_s = time.perf_counter() - t0
-    module, dcfg, drafter = load_drafter(run_dir / "final", updated)
+    family, dcfg, drafter = load_drafter(run_dir / "final", updated)
     rows.append(
         (
             "updated target, refreshed drafter",
             evaluate(
-                Resolved("refreshed", module.make_proposer(drafter, updated, dcfg), updated, None),
+                Resolved("refreshed", family.make_proposer(drafter, updated, dcfg), updated, None),
                 tok,
                 args.data,
                 None,

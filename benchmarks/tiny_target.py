@@ -1,6 +1,7 @@
 """A tiny target of a real architecture, built from its config and trained in seconds, with no hub.
 
     python -m benchmarks.tiny_target OUT [--arch Qwen/Qwen3-8B] [--layers 4] [--steps 160] [--device cuda]
+    python -m benchmarks.tiny_target --families K    # the registered families' tiny runs, for gpu-check.sh
 
 The test suite's fixtures and `scripts/gpu-check.sh` share it: a character-level tokenizer (one token
 per character, ChatML turns), the architecture's config at test size (models/known.py `tiny_config`:
@@ -21,6 +22,7 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from draftsmith.models.known import tiny_config
+from draftsmith.models.registry import DRAFTERS
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -29,27 +31,50 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 
 
-# Every family at a size a 3-layer tiny target takes (`recipe key: value` overrides), and the LoRA
-# variants (their frozen base can be bf16): the precision matrix and the export digests train these.
-TINY_DRAFTERS = {
-    "eagle": {},
-    "eagle3": {"drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60},
-    "peagle": {"drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60, "drafter.depths": 3},
-    "dflash": {"drafter.aux_layers": [0, 1], "drafter.block_size": 4},
-    "dspark": {"drafter.aux_layers": [0, 1], "drafter.block_size": 4, "drafter.markov_rank": 8},
-    "dflash2": {
-        "drafter.aux_layers": [0, 1],
-        "drafter.block_size": 4,
-        "drafter.selector_rank": 8,
-        "drafter.selector_top_k": 4,
-    },
-    "medusa": {"drafter.num_heads": 2},
-    "distill": {"drafter.num_layers": 1},
-}
-TINY_LORA = {
-    "medusa": {"drafter.backbone": "lora", "drafter.lora_rank": 4, "drafter.backbone_lr": 1e-3},
-    "distill": {"drafter.lora_rank": 4},
-}
+def tiny_drafters() -> dict[str, dict]:
+    """Every registered family at a size a 3-layer tiny target takes, as `recipe key: value` overrides
+    (its record's `tiny`, models/family.py): the precision matrix, the export digests and the
+    registry-wide tests train these."""
+    return {name: {f"drafter.{k}": v for k, v in fam.tiny.items()} for name, fam in DRAFTERS.items()}
+
+
+def tiny_lora() -> dict[str, dict]:
+    """The families' LoRA variants (their frozen base can be bf16), as overrides on top of `tiny_drafters`."""
+    return {
+        name: {f"drafter.{k}": v for k, v in fam.tiny_lora.items()}
+        for name, fam in DRAFTERS.items()
+        if fam.tiny_lora is not None
+    }
+
+
+def tiny_runs() -> dict[str, dict]:
+    """Run name -> its overrides, `drafter.type` included: every family, and `NAME+lora` for its LoRA variant."""
+    plain, lora = tiny_drafters(), tiny_lora()
+    return {
+        **{name: {"drafter.type": name, **extra} for name, extra in plain.items()},
+        **{f"{name}+lora": {"drafter.type": name, **plain[name], **extra} for name, extra in lora.items()},
+    }
+
+
+TINY_DRAFTERS, TINY_LORA, TINY_RUNS = tiny_drafters(), tiny_lora(), tiny_runs()  # at import: parametrizations
+
+
+def family_lines(k: int) -> list[str]:
+    """One line per registered family for scripts/gpu-check.sh: its name, the format vLLM serves it
+    from (else its first), and its tiny run's overrides, `eval.k` the deepest draft up to `k` it takes."""
+    lines = []
+    for name, extra in tiny_drafters().items():
+        fam = DRAFTERS[name]
+        depth = fam.max_draft_depth(fam.DrafterConfig(**fam.tiny))
+        args = {"drafter.type": name, **extra, "eval.k": k if depth is None else min(k, depth)}
+        fmt = fam.SERVE_FORMAT or next(iter(fam.EXPORTS))
+        lines.append(" ".join([name, fmt] + [f"{key}={_word(v)}" for key, v in args.items()]))
+    return lines
+
+
+def _word(value) -> str:
+    """A value as one shell word the recipe parser reads back (YAML): lists without spaces."""
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
 def make_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
@@ -123,12 +148,23 @@ def train_pattern_target(path, config, tok, steps: int = 160, device: str = "cpu
 def main(argv=None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out")
+    p.add_argument("out", nargs="?")
     p.add_argument("--arch", default="Qwen/Qwen3-8B", help="a config models/known.py ships (no download)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=160)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--families",
+        type=int,
+        metavar="K",
+        help="print each registered family's name, served format and tiny run (eval.k at most K); build nothing",
+    )
     args = p.parse_args(argv)
+    if args.families is not None:
+        print("\n".join(family_lines(args.families)))
+        return
+    if args.out is None:
+        p.error("OUT is required (or --families K)")
     tok = make_tokenizer()
     out = Path(args.out)
     train_pattern_target(

@@ -1,7 +1,7 @@
-"""The flags of the data room's commands (`draftsmith data regenerate`, `data corpus`): one dataclass a
-command, one field a flag, the docstring its help (draftsmith/util/flags.py builds the parser). Light
-on purpose: `draftsmith --help` imports this module, and data/commands.py only when one runs. `data
-features` and `data inspect` read a recipe, so theirs are in train/args.py."""
+"""The flags of the data room's commands (`draftsmith data regenerate`, `data corpus`, `data features`,
+`data inspect`): one dataclass a command, one field a flag, the docstring its help
+(draftsmith/util/flags.py builds the parser). Light on purpose: `draftsmith --help` imports this
+module, and data/commands.py only when one runs."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ class RegenerateArgs:
     target: str = "smollm2-135m"
     data: str
     out: str
+    """the records to write, e.g. datasets/code-regen.jsonl (its folder is made if missing)"""
     batch_size: int = 8
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -44,3 +45,27 @@ class RegenerateArgs:
 class CorpusArgs:
     name: str = field(metadata={"positional": True})
     out: str
+    """the jsonl to write, e.g. datasets/code.jsonl (its folder is made if missing)"""
+
+
+@dataclass(kw_only=True)
+class RecipeDataArgs:
+    """A recipe, of which a data command reads the `data:` section and the target (data/config.py)."""
+
+    recipe: str = field(metadata={"positional": True})
+    """recipe YAML, e.g. recipes/cpu/eagle-smollm2.yaml"""
+    overrides: list[str] = field(default_factory=list, metadata={"positional": True})
+    """key=value overrides, e.g. data.train=datasets/mine.jsonl data.max_length=512"""
+
+
+@dataclass(kw_only=True)
+class FeaturesArgs(RecipeDataArgs):
+    out: str
+    """the feature cache folder, e.g. features/smollm2-code"""
+    batch_size: int = 8
+
+
+@dataclass(kw_only=True)
+class InspectArgs(RecipeDataArgs):
+    index: int = 0
+    """which record of data.train (0-based)"""

@@ -50,8 +50,8 @@ def build_dataset(
         )
         return _filter(kept, spec, records, refused, stats)
     convert = lambda row, where: (to_messages(row, where), chat_kwargs(row, chat, where))  # noqa: E731
-    items = [(n, where, refused.keep(convert, row, where)) for n, (where, row) in enumerate(records)]
-    items = [(n, where, *item) for n, where, item in items if item is not None]
+    converted = [(n, where, refused.keep(convert, row, where)) for n, (where, row) in enumerate(records)]
+    items = [(n, where, item[0], item[1]) for n, where, item in converted if item is not None]
     if not items:
         refused.report(len(records))  # every record malformed: an error
         raise DraftsmithError(f"{spec}: no records")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -140,7 +141,7 @@ class FeatureCache:
             raise DraftsmithError(f"{self.path}: cache lacks features {missing} needed by this drafter")
         self.names = names
         self.where = {i: s["file"] for s in self.index["shards"] for i in s["examples"]}
-        self.handles = {}
+        self.handles: dict[str, Any] = {}  # shard file -> its open safetensors handle
 
     def _get(self, key: str, idx: int) -> torch.Tensor:
         if idx not in self.where:

@@ -32,7 +32,8 @@ class Malformed:
     def __init__(self, spec: str, mode: str = "skip"):
         if mode not in ("skip", "error"):
             raise DraftsmithError(f"data.malformed: expected skip or error, got {mode!r}")
-        self.spec, self.mode, self.reasons = spec, mode, []
+        self.spec, self.mode = spec, mode
+        self.reasons: list[str] = []
 
     def refuse(self, reason: str) -> None:
         if self.mode == "error":
@@ -101,14 +102,28 @@ def _load_dataset(spec: str, split: str):
         raise DraftsmithError(f"{spec}: cannot load data ({str(e).splitlines()[0]})") from None
 
 
+def joined_sources(spec: str, where: str = "") -> list[str]:
+    """The sources of `A+B+...` in order (a file whose name holds a '+' is that one file); an empty
+    one (`builtin:code+`, `a++b`) is an error naming it (`where`: the recipe key, e.g. data.train)."""
+    if "+" not in spec or Path(spec).exists():
+        return [spec]
+    parts = [part.strip() for part in spec.split("+")]
+    empty = next((i for i, part in enumerate(parts) if not part), None)
+    if empty is not None:
+        at = "before '+'" if empty == 0 else "after '+'"
+        raise DraftsmithError(f"{where + ': ' if where else ''}{spec!r} has an empty part {at}")
+    return parts
+
+
 def located_records(spec: str, split: str = "train") -> list[tuple[str, dict | DraftsmithError]]:
     """Every record of `spec` with where it is: `file:line` in a jsonl file, `spec: record N`
     otherwise. A jsonl line that is no JSON object comes as the error saying so, for the caller to
     skip or raise (`Malformed`). `split`: as in `read_records`.
     `A+B+...` (no such file): the records of each source in that order, so a recipe mixes domains
     (`data.max_examples` then cuts the joined list: put the sources to keep whole first)."""
-    if "+" in spec and not Path(spec).exists():
-        return [row for part in spec.split("+") for row in located_records(part.strip(), split)]
+    parts = joined_sources(spec)
+    if len(parts) > 1:
+        return [row for part in parts for row in located_records(part, split)]
     if spec.startswith("builtin:"):
         rows = builtin_corpus(spec.removeprefix("builtin:"))
     elif Path(spec).suffix == ".jsonl":
@@ -168,20 +183,55 @@ def _message(m) -> dict | None:
     return {"role": m["role"], "content": content or ""} | {k: m[k] for k in TOOL_KEYS if m.get(k) is not None}
 
 
+def _check_tool_use(msgs: list[dict], where: str, answered: bool = False) -> None:
+    """Tool use as templates render it: each call of an assistant turn names its function and carries
+    its arguments as a JSON object (or the string of one, as OpenAI sends them), and a `tool` turn
+    answers the calls of the assistant turn before it (other results of those calls may stand between).
+    `answered`: the assistant turns were replaced by text (data regenerate), so only the calls are checked."""
+    calling = False
+    for n, m in enumerate(msgs):
+        if m["role"] == "tool" and not calling and not answered:
+            raise DraftsmithError(
+                f"{where}: 'messages' turn {n} is a tool result, but no assistant turn with 'tool_calls' comes before it"
+            )
+        for c, call in enumerate(m.get("tool_calls", [])):
+            _check_call(call, f"{where}: 'messages' turn {n} (assistant), tool call {c}")
+        calling = bool(m.get("tool_calls")) or (calling and m["role"] == "tool")
+
+
+def _check_call(call, where: str) -> None:
+    fn = call.get("function", call) if isinstance(call, dict) else None  # OpenAI's {function: {...}}, or bare
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise DraftsmithError(f"{where}: needs a function 'name', got {_brief(call)}")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            raise DraftsmithError(
+                f"{where}: 'arguments' are not JSON ({e.msg}), got {_brief(fn['arguments'])}"
+            ) from None
+    if not isinstance(args, dict):
+        raise DraftsmithError(f"{where}: 'arguments' must be a JSON object, got {_brief(fn['arguments'])}")
+
+
 def to_messages(row: dict, where: str) -> list[dict] | str:
     """Normalise one record to OpenAI-style messages, or plain text for `text` records."""
     # A file mixing shapes loads (json/parquet, datasets) with every column in every row, None where absent.
     row = {k: v for k, v in row.items() if v is not None}
     if "messages" in row:
         msgs = row["messages"]
-        out = [_message(m) for m in msgs] if isinstance(msgs, list) else []
-        if not out or None in out:
+        parsed = [_message(m) for m in msgs] if isinstance(msgs, list) else []
+        out = [m for m in parsed if m is not None]
+        if not out or len(out) < len(parsed):
             raise DraftsmithError(
                 f"{where}: 'messages' must be a non-empty list of {{role, content}} strings, got {_brief(msgs)}"
             )
         bad = next((m["role"] for m in out if m["role"] not in CHAT_ROLES), None)
         if bad is not None:  # a template would render any role it is given; the target was never trained on it
             raise DraftsmithError(f"{where}: 'messages' role must be one of {', '.join(CHAT_ROLES)}, got {_brief(bad)}")
+        # A regenerated record's assistant turns are the target's answers as text, its calls inside them.
+        _check_tool_use(out, where, answered="completion_ids" in row or "turns" in row)
         return out
     if "conversations" in row:
         turns = row["conversations"]

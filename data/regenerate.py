@@ -28,6 +28,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -97,7 +98,8 @@ def _done_ids(partial: Path, own: bool = True) -> set[int]:
     """Ids of whole conversations; a line cut by an interruption (and everything after it) is
     dropped, and so are the first lines of a conversation whose later lines it cut (in this rank's
     `own` file, cut away before it appends)."""
-    keep, parts = [], {}
+    keep: list[tuple[Any, str]] = []  # (conversation id, its line)
+    parts: dict[Any, list[int]] = {}  # conversation id -> the `parts` count of each of its lines
     if partial.is_file():
         for line in partial.read_text().splitlines():
             try:
@@ -149,11 +151,13 @@ def regenerate(
     done = set().union(*(_done_ids(f, own=False) for f in _partials(out)))
     shard.barrier()
     names = names if features_in_pass(convs) else ()
-    writer = (
-        ShardWriter(features_out, names, fingerprint, target.config.hidden_size, resume=True, prefix=f"r{shard.rank}-")
-        if names
-        else None
-    )
+    writer = None
+    if names:
+        if features_out is None:
+            raise ValueError("regenerate: `names` asks for features, but no `features_out` folder is given")
+        writer = ShardWriter(
+            features_out, names, fingerprint, target.config.hidden_size, resume=True, prefix=f"r{shard.rank}-"
+        )
     first = {i: c.prompt(tok, 0) for i, c in enumerate(convs) if i not in done}
     # Longest first, so each batch holds prompts of similar length (little padding to compute).
     todo = sorted(first, key=lambda i: -len(first[i]))

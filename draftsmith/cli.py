@@ -7,13 +7,14 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from draftsmith import DraftsmithError
-from draftsmith.data.args import CorpusArgs, RegenerateArgs
+from draftsmith.data.args import CorpusArgs, FeaturesArgs, InspectArgs, RegenerateArgs
 from draftsmith.eval.args import CompareArgs, EvalArgs, LayerskipArgs
 from draftsmith.ship.args import ExportArgs, PublishArgs, ServeCheckArgs
-from draftsmith.train.args import FeaturesArgs, InspectArgs, PlanArgs, RecipeArgs
+from draftsmith.train.args import PlanArgs, RecipeArgs
 from draftsmith.util import flags
 from draftsmith.util.parse import read_yaml
 
@@ -66,12 +67,13 @@ vLLM runs in its own environment: `bash scripts/setup.sh --vllm` makes .venv-vll
 there is no CUDA), or point --vllm-python / DRAFTSMITH_VLLM_PYTHON at a Python that has vLLM."""
 
 DATA_HELP = """examples:
-  draftsmith data regenerate --target smollm2-135m --data builtin:code --out data/code-regen.jsonl
-  draftsmith data regenerate --engine vllm --target meta-llama/Llama-3.1-8B-Instruct --data prompts.jsonl \\
-      --out regen.jsonl --concurrency 64 --vllm-arg=--tensor-parallel-size --vllm-arg=8
+  draftsmith data regenerate --target smollm2-135m --data builtin:code --out datasets/code-regen.jsonl
+  draftsmith data regenerate --engine vllm --target meta-llama/Llama-3.1-8B-Instruct --data datasets/prompts.jsonl \\
+      --out datasets/regen.jsonl --concurrency 64 --vllm-arg=--tensor-parallel-size --vllm-arg=8
   draftsmith data features recipes/cpu/eagle-smollm2.yaml --out features/smollm2-code
-  draftsmith data corpus builtin:code --out code.jsonl
-  draftsmith data inspect recipes/cpu/eagle-smollm2.yaml --index 3   (the tokens training sees, loss mask coloured)"""
+  draftsmith data corpus builtin:code --out datasets/code.jsonl
+  draftsmith data inspect recipes/cpu/eagle-smollm2.yaml --index 3   (the tokens training sees, loss mask coloured)
+Your own records go under datasets/ (git-ignored; the recipes read their files there); --out makes the folder."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,7 @@ COMMANDS: dict[str, Command | Group] = {
             "features": Command(
                 "cache the target features a recipe's drafter trains on (bf16 safetensors)",
                 FeaturesArgs,
-                "draftsmith.train.commands:run_features",
+                "draftsmith.train.commands:run_features",  # the work: data/commands.py features
             ),
             "corpus": Command(
                 "write a built-in corpus (builtin:code, builtin:prose, …-holdout) as jsonl",
@@ -165,14 +167,14 @@ COMMANDS: dict[str, Command | Group] = {
                 "print one training example of a recipe token by token, its loss mask coloured (trained tokens "
                 "bold green, masked dim)",
                 InspectArgs,
-                "draftsmith.train.commands:run_inspect",
+                "draftsmith.data.commands:run_inspect",
             ),
         },
     ),
 }
 
 
-def _add_commands(parser: argparse.ArgumentParser, table: dict[str, Command | Group], dest: str) -> None:
+def _add_commands(parser: argparse.ArgumentParser, table: Mapping[str, Command | Group], dest: str) -> None:
     sub = parser.add_subparsers(dest=dest, required=True)
     for name, entry in table.items():
         child = sub.add_parser(

@@ -4,9 +4,10 @@ Each checks every input before a model loads, so a typo costs seconds, not a tar
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from draftsmith import DraftsmithError
-from draftsmith.data.load import load_prompts
+from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.engine import selfspec
 from draftsmith.engine.batched import parse_batch_sizes
 from draftsmith.engine.drafts import parse_tree
@@ -20,7 +21,7 @@ from draftsmith.eval.run import evaluate, evaluate_drafter
 from draftsmith.models.folder import read_drafter_meta
 from draftsmith.models.registry import load_drafter
 
-# The module, not its functions: load_target is looked up when called, so a test that replaces it
+# The family, not its functions: load_target is looked up when called, so a test that replaces it
 # proves that no model loads before the inputs are checked (tests/test_bad_input.py).
 from draftsmith.target import load as target_load
 
@@ -63,15 +64,16 @@ def run_eval(args: EvalArgs) -> None:
     target_name = args.target or (metas[0]["target"] if metas else None) or "smollm2-135m"
     target, tok = target_load.load_target(target_name, args.dtype)
     cfg = eval_config(args)
-    options = dict(target_name=target_name, batch_sizes=batch_sizes)
+    options: dict[str, Any] = dict(target_name=target_name, batch_sizes=batch_sizes)
     if not trained:  # training-free drafters and combinations (eval/drafters.py `resolve`)
+        assert args.drafter  # _eval_inputs refused an empty one
         report = evaluate(resolve(args.drafter, target, args.allow_stale), tok, args.data, out, cfg, **options)
     else:
-        module, dcfg, drafter = load_drafter(path, target, allow_stale=args.allow_stale)
+        family, dcfg, drafter = load_drafter(path, target, allow_stale=args.allow_stale)
         now = target_load.fingerprint(target)
         if metas[0]["target_fingerprint"] != now:  # allowed: the report says so, with both fingerprints
             options["stale"] = {"trained_for": metas[0]["target_fingerprint"], "evaluated_on": now}
-        report = evaluate_drafter(module, drafter, dcfg, target, tok, args.data, out, cfg, **options)
+        report = evaluate_drafter(family, drafter, dcfg, target, tok, args.data, out, cfg, **options)
     print(format_table([report]))
     print(f"wrote {out}/report.json, report.md, acceptance.png")
     require_rule_exact(report, str(out))
@@ -101,9 +103,10 @@ def run_compare(args: CompareArgs) -> None:
 
 
 def run_layerskip(args: LayerskipArgs) -> None:
-    load_prompts(args.data, args.num_prompts)
+    prompts = load_prompts(args.data, args.num_prompts)  # bad prompts fail before the target loads
     target, tok = target_load.load_target(args.target, args.dtype)
-    choice = selfspec.calibrate(target, tok, args.data, args.k, args.num_prompts, args.max_new_tokens, args.budget)
+    ids = [encode_prompt(tok, p) for p in prompts]
+    choice = selfspec.calibrate(target, tok, ids, args.data, args.k, args.max_new_tokens, args.budget)
     out = selfspec.save(choice, target, args.target, Path(args.out))
     print(
         f"skip layers {choice['skip']} on {args.data}: τ {choice['tau']:.2f}, draft cost {choice['cost_fraction']:.2f} of "

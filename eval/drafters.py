@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
 from draftsmith import DraftsmithError
 from draftsmith.engine import selfspec
 from draftsmith.engine.cascade import build_cascade, parse_cascade
@@ -19,7 +21,7 @@ from draftsmith.models.registry import load_drafter, target_to_load_on
 class Resolved(NamedTuple):
     label: str  # how reports name it, e.g. "eagle3 (run)", "hybrid (run)", "lookahead (W=5,N=3,G=3)"
     proposer: Proposer | None  # None: target-only decoding
-    verifier: object  # the target, or the backbone a drafter trained (Medusa-2)
+    verifier: torch.nn.Module  # the target, or the backbone a drafter trained (Medusa-2)
     tree: str | None  # the `@TREE` of the spec
     k: int | None = None  # the `@k=N` of the spec: this drafter's own chain length (else the run's --k)
 
@@ -95,11 +97,11 @@ def resolve(spec: str, target, allow_stale: bool = False) -> Resolved:
     if (Path(path) / selfspec.FILE).is_file():  # a training-free layer-skip choice
         return Resolved(f"layerskip ({Path(path).name})", selfspec.load(path, target), target, None)
     own = target_to_load_on(target, path)
-    module, dcfg, drafter = load_drafter(path, own, allow_stale)
-    verifier = module.verifier(drafter, own)
+    family, dcfg, drafter = load_drafter(path, own, allow_stale)
+    verifier = family.verifier(drafter, own)
     return Resolved(
-        f"{module.NAME} ({Path(path).parent.name or path})",
-        module.make_proposer(drafter, verifier, dcfg),
+        f"{family.NAME} ({Path(path).parent.name or path})",
+        family.make_proposer(drafter, verifier, dcfg),
         verifier,
         tree,
     )

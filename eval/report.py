@@ -42,7 +42,8 @@ def lossless_cell(r: dict) -> str:
     same = f"identical {n - (r.get('lossless_mismatches') or 0)}/{n}"
     if r.get("rule_exact") is None:  # a report written before the rule was checked
         return f"{LOSSLESS[r['lossless']]} ({same})"
-    return f"{LOSSLESS[r['rule_exact']]} ({same}, {SHORT_DTYPE.get(r.get('dtype'), r.get('dtype', '?'))})"
+    dtype = r.get("dtype", "?")
+    return f"{LOSSLESS[r['rule_exact']]} ({same}, {SHORT_DTYPE.get(dtype, dtype)})"
 
 
 LOSSLESS_NOTE = (
@@ -92,7 +93,7 @@ def _shape(r: dict) -> str:
 
 def _where(r: dict) -> str:
     """`AMD EPYC (cpu, 2 threads, no native bf16), float32`: the hardware a speedup belongs to."""
-    bf16 = {True: "native bf16", False: "no native bf16"}.get(r.get("native_bf16"), "native bf16 unknown")
+    bf16 = {True: "native bf16", False: "no native bf16", None: "native bf16 unknown"}[r.get("native_bf16")]
     return f"{r.get('device_name', '?')} ({r.get('device', '?')}, {r.get('threads', '?')} threads, {bf16}), {r.get('dtype', '?')}"
 
 
@@ -334,7 +335,7 @@ def write_report(r: dict, out: Path) -> None:
 def write_before_after(rows: list[tuple[str, dict]], out: Path) -> str:
     """Domain fine-tuning: τ and speedup of the init ("before") and the fine-tuned drafter ("after")
     on each holdout, side by side -> before_after.json / .md; returns the markdown table."""
-    table = {}
+    table: dict[str, dict] = {}
     for when, r in rows:
         table.setdefault(r["holdout"], {})[when] = {
             k: r.get(k)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data.load import encode_prompt, load_prompts, thinking_kwargs
 from draftsmith.engine.batched import batch_curve
 from draftsmith.engine.cache import crop_cache
-from draftsmith.engine.drafts import Draft, parse_tree
+from draftsmith.engine.drafts import Draft, TreeSpec, parse_tree
 from draftsmith.engine.lookahead import HybridProposer
 from draftsmith.engine.proposers import NgramProposer, proposer_modules
 from draftsmith.engine.speculative import (
@@ -29,6 +30,7 @@ from draftsmith.engine.verify import AdaptiveCosts, verification_inputs
 from draftsmith.eval.config import EvalConfig
 from draftsmith.eval.drafters import Resolved
 from draftsmith.eval.report import write_report
+from draftsmith.models.family import Family
 from draftsmith.target.load import eos_ids
 from draftsmith.util.calibration import calibration
 from draftsmith.util.kernels import packed_linears
@@ -44,6 +46,32 @@ def divergence_gap(target, prompt: list[int], ref: list[int], generated: list[in
     i = next((i for i, (a, b) in enumerate(zip(ref, generated)) if a != b), min(len(ref), len(generated)) - 1)
     logits = target(torch.tensor([prompt + ref[:i]], device=next(target.parameters()).device)).logits[0, -1].float()
     return abs(float(logits[ref[i]] - logits[generated[i]]))
+
+
+@dataclass
+class Decoded:
+    """The raw measurements of one drafter on the holdout prompts (`decode_holdout`), before the
+    report (`eval_report`) rounds and names them."""
+
+    name: str  # the drafter's label
+    k: int  # draft depth: the chain's k, the tree's depth, 0 target-only
+    tree: str | None  # the tree decoded with; None: chains
+    num_prompts: int
+    stats: Stats  # the speculative run: τ, acceptance, tokens, seconds, rule breaks
+    target_seconds: float  # the target-only run, measured here or the shared baseline's
+    target_tokens: int
+    mismatches: int  # prompts whose speculative output differs from the target-only one
+    gaps: list[float]  # greedy: the target's logit gap where each such output first parts
+    own: dict  # the proposer's own counters (a cascade's levels, a hybrid's drafts by source)
+    adaptive: dict | None  # `adaptive_section`; None: the drafter states no confidences
+    batch_curve: list[dict] | None  # `batch_curve`; None: not asked for
+    dtype: str  # the verifier's
+    device: torch.device
+
+    @property
+    def target_tps(self) -> float:
+        """Target-only tokens/s, the speedup's denominator (the adaptive run's too)."""
+        return self.target_tokens / self.target_seconds
 
 
 def evaluate(
@@ -75,13 +103,33 @@ def evaluate(
     "adaptive": the calibration of its confidences on the verified drafts of this run, and the same
     prompts decoded again with adaptive verification beside this full-block run (`adaptive_section`).
     adaptive_costs: that run's cost model; None = measured here (`measure_costs`)."""
-    name, proposer, target = drafter.label, drafter.proposer, drafter.verifier
+    decoded = decode_holdout(
+        drafter,
+        tok,
+        holdout,
+        cfg,
+        baseline=baseline,
+        kernels=kernels,
+        batch_sizes=batch_sizes,
+        split=split,
+        adaptive_costs=adaptive_costs,
+    )
+    report = eval_report(decoded, holdout, cfg, target_name=target_name, stale=stale)
+    if out is not None:
+        write_report(report, out)
+    return report
+
+
+def draft_shape(
+    drafter: Resolved, cfg: EvalConfig, batch_sizes: list[int] | None
+) -> tuple[int, str | None, TreeSpec | None]:
+    """-> (k, tree, parsed tree or None) a drafter decodes with, after refusing what it cannot draft.
+    k is the chain length, the tree's depth with a tree, 0 target-only."""
+    name, proposer = drafter.label, drafter.proposer
     # A spec's own `@k=N` (a chain) or `@TREE` wins over the run's --k / --tree.
     k, tree = (drafter.k, None) if drafter.k else (cfg.k, drafter.tree or cfg.tree)
-    temperature, top_p = cfg.temperature, cfg.top_p
-    max_new_tokens = cfg.max_new_tokens
     spec = parse_tree(tree) if tree else None
-    if batch_sizes and (spec is not None or temperature > 0):
+    if batch_sizes and (spec is not None or cfg.temperature > 0):
         raise DraftsmithError(
             "--batch-sizes: batched decoding is greedy with chain drafts; drop --tree and --temperature"
         )
@@ -92,12 +140,33 @@ def evaluate(
     if most is not None and depth > most:  # e.g. Medusa: one head per draft position
         raise DraftsmithError(
             f"{'--tree' if spec else '--k'}: drafts {depth} deep, but drafter '{name}' drafts at "
-            f"most {proposer.max_depth} tokens per round"
+            f"most {most} tokens per round"
         )
     if proposer is None:
         k = 0
     elif spec is not None:
         k = spec.depth
+    return k, tree, spec
+
+
+def decode_holdout(
+    drafter: Resolved,
+    tok,
+    holdout: str,
+    cfg: EvalConfig,
+    *,
+    baseline: list[tuple[list[int], float]] | None = None,
+    kernels: bool = True,
+    batch_sizes: list[int] | None = None,
+    split: str = "train",
+    adaptive_costs: AdaptiveCosts | None = None,
+) -> Decoded:
+    """The decode part of `evaluate` (its docstring has the arguments): every holdout prompt decoded
+    target-only (unless `baseline` has it) and speculatively on the same seed, then the adaptive run
+    and the batch-size curve where they apply -> the raw measurements."""
+    name, proposer, target = drafter.label, drafter.proposer, drafter.verifier
+    k, tree, spec = draft_shape(drafter, cfg, batch_sizes)
+    temperature, top_p, max_new_tokens = cfg.temperature, cfg.top_p, cfg.max_new_tokens
     prompts = [
         encode_prompt(tok, p, thinking_kwargs(cfg.thinking)) for p in load_prompts(holdout, cfg.num_prompts, split)
     ]
@@ -111,6 +180,7 @@ def evaluate(
     stats, ref_s, mismatches, ref_tokens, gaps, refs = Stats(k=max(k, 1)), 0.0, 0, 0, [], []
     # Only a chain drafter that says how sure it is gets the calibration and adaptive sections.
     confident = proposer is not None and proposer.drafts_confidence and spec is None and k > 0
+    adaptive = None
     # Target and drafter decode on the fastest kernels of the machine (draftsmith/util/kernels.py), the
     # target-only baseline included, so the speedup compares like with like.
     with packed_linears(target, *proposer_modules(proposer), enabled=kernels):
@@ -140,54 +210,77 @@ def evaluate(
             adaptive = adaptive_section(
                 target, proposer, prompts, refs, stats, target_tps, k, max_new_tokens, eos, sampler, adaptive_costs
             )
-    spec_tps = stats.new_tokens / stats.seconds
+    curve = None
+    if batch_sizes:
+        curve = batch_curve(target, tok, fresh_copies(proposer), prompts, batch_sizes, k, max_new_tokens, eos, kernels)
+    return Decoded(
+        name=name,
+        k=k,
+        tree=tree,
+        num_prompts=len(prompts),
+        stats=stats,
+        target_seconds=ref_s,
+        target_tokens=ref_tokens,
+        mismatches=mismatches,
+        gaps=gaps,
+        own=own,
+        adaptive=adaptive,
+        batch_curve=curve,
+        dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
+        device=device,
+    )
+
+
+def eval_report(
+    run: Decoded, holdout: str, cfg: EvalConfig, *, target_name: str = "", stale: dict | None = None
+) -> dict:
+    """The report part of `evaluate`: the raw measurements rounded and named as report.md and
+    `draftsmith compare` read them, with the conditions they were measured under, the proposer's own
+    counters, and the calibration, adaptive and batch-curve sections where they were measured."""
+    stats, k, temperature, greedy = run.stats, run.k, cfg.temperature, cfg.temperature == 0
+    target_tps, spec_tps = run.target_tps, stats.new_tokens / stats.seconds
     report = {
-        "drafter": name,
+        "drafter": run.name,
         "target": target_name,
         "holdout": holdout,
-        "num_prompts": len(prompts),
+        "num_prompts": run.num_prompts,
         "new_tokens": stats.new_tokens,
         "temperature": temperature,
         "k": k,
-        "tree": tree,
+        "tree": run.tree,
         "tau": round(stats.tau, 4),
         "acceptance_rate": round(stats.acceptance_rate, 4),
         "per_position": [round(p, 4) for p in stats.per_position] if k else [],
         # Greedy: checked token by token. Sampling: outputs differ by design; exactness is a
         # distribution-level property, tested by chi-square tests in tests/engine/test_sampling.py and test_tree.py.
-        "lossless": mismatches == 0 if temperature == 0 else None,
+        "lossless": run.mismatches == 0 if greedy else None,
         # Greedy, two checks: `rule_exact`, every round emitted what the verification rule gives for
         # the target's own logits of that pass (what makes speculation lossless), and `lossless`,
         # outputs identical to a separately run target-only decode, which bf16 near-ties can break
         # (other shapes, other kernels, other roundings) while the rule holds.
-        "rule_exact": stats.rule_breaks == 0 if temperature == 0 else None,
+        "rule_exact": stats.rule_breaks == 0 if greedy else None,
         "target_tokens_per_s": round(target_tps, 2),
         "spec_tokens_per_s": round(spec_tps, 2),
         "speedup": round(spec_tps / target_tps, 3),
         # Beyond the fixed keys: the conditions users need to read the numbers.
         "batch_size": 1,
-        "top_p": top_p,
+        "top_p": cfg.top_p,
         "stale": stale,
         "draft_tokens_per_pass": round(stats.proposed / max(stats.passes, 1), 2),
-        "lossless_mismatches": mismatches if temperature == 0 else None,
-        "mismatch_logit_gaps": gaps,
-        "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "lossless_mismatches": run.mismatches if greedy else None,
+        "mismatch_logit_gaps": run.gaps,
+        "dtype": run.dtype,
         "thinking": cfg.thinking or "template default",  # the prompts' chat template thinking mode
         # Where it was measured (device, CPU model or GPU name, native bf16, threads): a speedup
         # read later means nothing without it.
-        **hardware(device),
+        **hardware(run.device),
     }
-    if proposer is not None:  # e.g. a cascade's levels, a hybrid's drafts by source
-        report.update(own)
-    if confident:
+    report.update(run.own)  # e.g. a cascade's levels, a hybrid's drafts by source; {} target-only
+    if run.adaptive is not None:  # a chain drafter that states its confidences
         report["calibration"] = confidence_calibration(stats)
-        report["adaptive"] = adaptive
-    if batch_sizes:
-        report["batch_curve"] = batch_curve(
-            target, tok, fresh_copies(proposer), prompts, batch_sizes, k, max_new_tokens, eos, kernels
-        )
-    if out is not None:
-        write_report(report, out)
+        report["adaptive"] = run.adaptive
+    if run.batch_curve is not None:
+        report["batch_curve"] = run.batch_curve
     return report
 
 
@@ -220,7 +313,7 @@ def verify_seconds(target, prompt: list[int], k: int, reps: int = 5) -> tuple[fl
     chain = Draft.chain(prompt[-1:] * k)
     mask, positions = verification_inputs(chain, prefix, device)
     shapes = [(prompt[-1:], None, None), (prompt[-1:] + chain.tokens, mask, positions)]
-    seconds = [[], []]
+    seconds: list[list[float]] = [[], []]
     for _ in range(reps):
         for times, (ids, m, p) in zip(seconds, shapes):
             times.append(timed(verification_forward, target, ids, cache, device, (), m, p)[1])
@@ -322,25 +415,25 @@ def target_baseline(
 
 
 def evaluate_drafter(
-    module, drafter, dcfg, target, tok, holdout: str, out: Path | None, cfg: EvalConfig, **options
+    family: Family, drafter, dcfg, target, tok, holdout: str, out: Path | None, cfg: EvalConfig, **options
 ) -> dict:
     """The eval stage for a trained drafter of any family. The family's `verifier` checks the drafts:
     the target itself, or for a family that trained the backbone (Medusa-2) the trained backbone with
     its adapters merged, and then the report adds that backbone's drift from the original target.
     options: evaluate's keyword options (target_name, stale, batch_sizes, split, ...)."""
-    verifier = module.verifier(drafter, target)
-    proposer = module.make_proposer(drafter, verifier, dcfg)
-    report = evaluate(Resolved(module.NAME, proposer, verifier, None), tok, holdout, None, cfg, **options)
+    verifier = family.verifier(drafter, target)
+    proposer = family.make_proposer(drafter, verifier, dcfg)
+    report = evaluate(Resolved(family.NAME, proposer, verifier, None), tok, holdout, None, cfg, **options)
     if cfg.lookup:  # the same drafter with prompt lookup grafted on (eval.lookup), one more row.
         # Its own baseline, timed prompt by prompt beside it as the drafter's row is: a baseline timed
         # once before several drafters drifts with the host (docs/benchmarks.md). The proposer is
         # reused: decoding resets it for every prompt.
         resolved = Resolved(
-            f"hybrid ({module.NAME} + lookup)", HybridProposer(NgramProposer(), proposer), verifier, None
+            f"hybrid ({family.NAME} + lookup)", HybridProposer(NgramProposer(), proposer), verifier, None
         )
         report["with_lookup"] = evaluate(resolved, tok, holdout, None, cfg, **options)
     if verifier is not target:
-        with module.original(drafter, target) as original:
+        with family.original(drafter, target) as original:
             split = options.get("split", "train")
             report["drift"] = backbone_drift(original, verifier, tok, holdout, proposer, cfg, split)
     if out is not None:

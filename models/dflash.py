@@ -38,6 +38,7 @@ convolutions through `block_pass`'s `around`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,7 @@ from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import from_exported_head, llama_dims, vllm_method, vllm_snippet, write_tensors
 from draftsmith.models.training import (
+    check_draft_vocab,
     draft_vocab,
     layer_activation_bytes,
     mask_token,
@@ -72,6 +74,26 @@ from draftsmith.util.precision import keep_rope_fp32
 
 NAME = "dflash"
 WEIGHTINGS = ("decay", "dpace", "uniform")
+
+Backbone = Any  # an nn.Module that `add_backbone` filled in (DFlash's, DSpark's, DFlash2's drafter): its
+# parts (fc, layers, norm, rotary, lm_head / d2t / t2d ...) are set at run time, so they type as Any.
+
+
+class BlockConfig(Protocol):
+    """The fields of a block drafter's config that the shared functions here read: DFlash's
+    DrafterConfig and DSpark's and DFlash2's (models/dspark.py, models/dflash2.py), which are no
+    subclasses of it (DFlash2 has no draft_vocab_size: read with getattr). After `resolve`,
+    aux_layers and mask_token_id are exact (never None)."""
+
+    aux_layers: list | None
+    num_layers: int
+    block_size: int
+    mask_token_id: int | None
+    loss: str
+    position_weighting: str
+    gamma: float
+    dpace_alpha: float
+    num_anchors: int
 
 
 @dataclass
@@ -131,7 +153,7 @@ def check_block_config(cfg) -> None:
         )
 
 
-def aux_layers(cfg: DrafterConfig, target_config) -> list[int]:
+def aux_layers(cfg: BlockConfig, target_config) -> list[int]:
     """The ctx layers (outputs, 0-based). The last layer is refused: vLLM taps its output before the
     final norm, transformers' hidden_states (draftsmith's features) after it."""
     n = target_config.num_hidden_layers
@@ -146,12 +168,12 @@ def aux_layers(cfg: DrafterConfig, target_config) -> list[int]:
     return layers
 
 
-def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
+def feature_names(cfg: BlockConfig, target_config) -> tuple[str, ...]:
     # The ctx layers, plus the last (post-norm) hidden state whose lm_head gives each slot's label.
     return tuple(f"hidden.{a}" for a in aux_layers(cfg, target_config)) + ("last_hidden",)
 
 
-def max_draft_depth(cfg: DrafterConfig) -> int | None:
+def max_draft_depth(cfg: BlockConfig) -> int | None:
     return cfg.block_size - 1  # one pass, one mask slot per draft
 
 
@@ -160,7 +182,7 @@ def _rope(x, cos, sin):
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
-def add_backbone(module: nn.Module, config, n_aux: int, target_hidden: int) -> None:
+def add_backbone(module: Backbone, config, n_aux: int, target_hidden: int) -> None:
     """Give `module` DFlash's backbone under vLLM's tensor names: fc + hidden_norm over the ctx
     features, `config.num_hidden_layers` Llama decoder layers with per-head q_norm/k_norm (Qwen3's
     attention), the final norm (and the rotary embedding, no weights). DFlash's drafter is exactly
@@ -202,7 +224,7 @@ def add_draft_vocab(module: nn.Module, draft_vocab: int, vocab: int, hidden: int
 
 
 @torch.no_grad()
-def fill_draft_vocab(drafter: nn.Module, target, dataset) -> None:
+def fill_draft_vocab(drafter: Backbone, target, dataset) -> None:
     """The draft vocabulary of `dataset` (its most frequent trained tokens, models/training.py
     draft_vocab) into the drafter's maps, and the target's lm_head rows for it into its head."""
     if not hasattr(drafter, "d2t"):
@@ -214,14 +236,14 @@ def fill_draft_vocab(drafter: nn.Module, target, dataset) -> None:
     drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[ids])
 
 
-def draft_logits(drafter: nn.Module, target, h: torch.Tensor) -> torch.Tensor:
+def draft_logits(drafter: Backbone, target, h: torch.Tensor) -> torch.Tensor:
     """Slot outputs h [..., H] -> logits over the draft vocabulary: the drafter's own head on a reduced
     vocabulary, else the target's lm_head (in its dtype)."""
     head = drafter.lm_head if hasattr(drafter, "d2t") else target.get_output_embeddings()
     return head(h.to(head.weight.dtype))
 
 
-def target_vocab(drafter: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+def target_vocab(drafter: Backbone, logits: torch.Tensor) -> torch.Tensor:
     """Draft-vocabulary logits [..., V_d] -> the target's vocabulary [..., V], -inf off the draft
     vocabulary (what the verifier's rejection sampling reads); unchanged on the whole vocabulary."""
     if not hasattr(drafter, "d2t"):
@@ -229,11 +251,11 @@ def target_vocab(drafter: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return to_target_vocab(logits, drafter.d2t, len(drafter.t2d))
 
 
-def _heads(m: nn.Module, x, proj):
+def _heads(m: Backbone, x, proj):
     return proj(x).view(*x.shape[:-1], -1, m.config.head_dim)  # [B, T, n, hd]
 
 
-def context_kv(m: nn.Module, aux, pos) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def context_kv(m: Backbone, aux, pos) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """ctx features [B, T, A*H] at positions pos [B, T] -> per layer (K, V) [B, kv heads, T, hd]:
     each layer's own k_proj, k_norm, v_proj on hidden_norm(fc(aux)), keys rotated at pos."""
     ctx = m.hidden_norm(m.fc(aux))
@@ -262,7 +284,7 @@ def plain_sublayers(layer) -> tuple:
     return Plain, Plain
 
 
-def block_pass(m: nn.Module, x, pos, kv, mask=None, around=plain_sublayers):
+def block_pass(m: Backbone, x, pos, kv, mask=None, around=plain_sublayers):
     """Block embeddings x [B, Q, H] at positions pos [B, Q] over the ctx `kv` -> norm(out) [B, Q, H],
     what lm_head reads. mask [B, 1, Q, T+Q] (True = attend) over [ctx keys ; block keys]; None =
     every query sees every key (inference: one block after all verified ctx). around(layer) -> the
@@ -313,6 +335,7 @@ class DFlashDrafter(nn.Module):
 def block_defaults(cfg, target_config):
     """A block drafter's config with its target-dependent defaults made exact (the saved config names
     the layers and the mask token, whatever the defaults are when it is read back)."""
+    check_draft_vocab(getattr(cfg, "draft_vocab_size", 0), target_config)  # DFlash2 has none
     return replace(
         cfg, aux_layers=aux_layers(cfg, target_config), mask_token_id=mask_token(cfg.mask_token_id, target_config)
     )
@@ -336,6 +359,7 @@ def build(cfg: DrafterConfig, target, dataset=None) -> DFlashDrafter:
     """The drafter; on a reduced vocabulary, its draft tokens taken from `dataset` (none: a drafter
     whose saved state fills them)."""
     cfg = resolve(cfg, target.config)
+    assert cfg.aux_layers is not None  # resolve named the exact layers
     config = backbone_config(cfg, target)
     drafter = DFlashDrafter(config, len(cfg.aux_layers), config.hidden_size, cfg.draft_vocab_size)
     if dataset is not None:
@@ -483,6 +507,7 @@ def slot_token_loss(cfg, logits: torch.Tensor, blocks: Blocks):
     if cfg.loss == "ce":
         loss = (F.cross_entropy(flat, labels_.flatten(), reduction="none") * (w * drafts).flatten()).sum()
     else:  # the token losses take a per-row multiplier: the slot weights
+        assert blocks.soft is not None  # a soft loss: block_targets kept the target's logits (keep_soft)
         loss = TOKEN_LOSSES[cfg.loss](flat, blocks.soft[blocks.rows.flatten()], w.flatten())
     n = torch.tensor(len(blocks.blk_b), device=device)
     with torch.no_grad():
@@ -507,7 +532,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     return slot_token_loss(cfg, draft_logits(drafter, target, slots).float(), blocks)
 
 
-def slot_weights(cfg: DrafterConfig, confidence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def slot_weights(cfg: BlockConfig, confidence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-slot weights [N, B] (slot 0 zero) for the configured position_weighting."""
     if cfg.position_weighting == "dpace":
         return dpace_position_weights(confidence, mask, cfg.dpace_alpha)
@@ -527,7 +552,9 @@ class BlockProposer(Proposer):
     each round projects just the newly verified ones. Chains only: no `propose_tree`, so the engine
     refuses --tree with its one-line error and `compare` and the benches draft chains."""
 
-    def __init__(self, drafter, target, cfg: DrafterConfig, around=plain_sublayers):
+    max_depth: int  # B-1 mask slots: a block drafter is never unbounded
+
+    def __init__(self, drafter, target, cfg: BlockConfig, around=plain_sublayers):
         self.drafter, self.cfg, self.around = drafter.eval(), cfg, around  # around: as block_pass's
         self.feature_names = feature_names(cfg, target.config)
         self.embed = draft_embeddings(target)
@@ -570,6 +597,7 @@ class BlockProposer(Proposer):
             )
             self.n_real = n_feats
         # The bonus x_{n-1} (position n-1 = n_feats), then m mask slots; every slot sees all ctx and the block.
+        assert self.cfg.mask_token_id is not None  # the proposer's config is resolved (make_proposer)
         ids = torch.cat(
             [tokens[:, n_feats : n_feats + 1], torch.full((1, m), self.cfg.mask_token_id, device=device)], 1
         )
@@ -738,7 +766,7 @@ def consumer_check(exported, target, ours, prompt_ids) -> dict | None:
     return {**check, "consumer": "speculators"}
 
 
-def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, elem: int) -> int:
+def activation_bytes(cfg: BlockConfig, tc, drafter, batch: int, length: int, elem: int) -> int:
     """`plan`: B slots per anchor through every layer (plus the ctx K/V), the float attention mask
     SDPA materialises, and the (draft-vocabulary) logits of B-1 slots per anchor (fp32: logits,
     softmax and its gradient), or the teacher's 4096-row chunk if larger."""
@@ -770,4 +798,5 @@ FAMILY = Family(
     vllm_serving=vllm_serving,
     consumer_check=consumer_check,
     resolve=resolve,
+    tiny={"aux_layers": [0, 1], "block_size": 4},
 )

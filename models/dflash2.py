@@ -179,6 +179,8 @@ class DFlash2Drafter(nn.Module):
     forward per backward for DDP/FSDP): the packed blocks, the selected slots' unary logits and the
     selector's scores of their training candidates."""
 
+    layers: nn.ModuleList  # dflash.add_backbone's decoder layers, set at run time
+
     def __init__(self, config, n_aux: int, target_hidden: int, cfg: DrafterConfig):
         super().__init__()
         h = config.hidden_size
@@ -216,6 +218,7 @@ def resolve(cfg: DrafterConfig, target_config, init_config: dict | None = None) 
 
 def build(cfg: DrafterConfig, target, dataset=None) -> DFlash2Drafter:
     cfg = resolve(cfg, target.config)
+    assert cfg.aux_layers is not None  # resolve named the exact layers
     config = dflash.backbone_config(cfg, target)
     return DFlash2Drafter(config, len(cfg.aux_layers), config.hidden_size, cfg)
 
@@ -286,6 +289,8 @@ class SelectorProposer(Proposer):
     slot, then the selector walked left to right: draft i = C_i[argmax s_i] (greedy), or drawn from
     q_i = softmax(s_i) on C_i (0 elsewhere) with a `sampler`; prev_1 = the bonus, prev_{i+1} = draft i.
     Chains only, like DFlash."""
+
+    max_depth: int  # the block proposer's: B-1 mask slots
 
     def __init__(self, drafter, target, cfg: DrafterConfig):
         # The drafter lives in the block proposer only, so the modules the engine prepacks hold it once.
@@ -407,4 +412,5 @@ FAMILY = Family(
     vllm_serving=vllm_serving,
     consumer_check=dflash.consumer_check,  # speculators' loader; vLLM's: the vllm_families test
     resolve=resolve,
+    tiny={"aux_layers": [0, 1], "block_size": 4, "selector_rank": 8, "selector_top_k": 4},
 )

@@ -115,10 +115,6 @@ def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
     return (f"logits_topk.{cfg.offline_topk}",) if cfg.offline_topk else ("last_hidden",)
 
 
-def max_draft_depth(cfg: DrafterConfig) -> int | None:
-    return None  # an autoregressive student drafts as deep as asked
-
-
 def kept_layers(cfg: DrafterConfig, n_target: int) -> list[int]:
     """Which target decoder layers a truncated student keeps, in order."""
     if cfg.num_layers > n_target:
@@ -159,7 +155,9 @@ def check_tokenizer(student_path: str, target) -> None:
     mine = AutoTokenizer.from_pretrained(student_path)
     theirs = AutoTokenizer.from_pretrained(target.config._name_or_path)
     a, b = mine.get_vocab(), theirs.get_vocab()
-    diff = next((t for t in sorted(set(a) | set(b), key=lambda t: b.get(t, a.get(t))) if a.get(t) != b.get(t)), None)
+    diff = next(
+        (t for t in sorted(set(a) | set(b), key=lambda t: b[t] if t in b else a[t]) if a.get(t) != b.get(t)), None
+    )
     if diff is not None:
         raise DraftsmithError(
             f"drafter.init {student_path}: tokenizer differs from the target's: token {diff!r} is id "
@@ -390,7 +388,6 @@ FAMILY = Family(
     NAME=NAME,
     DrafterConfig=DrafterConfig,
     feature_names=feature_names,
-    max_draft_depth=max_draft_depth,
     build=build,
     rebuild=rebuild,
     compute_loss=compute_loss,
@@ -403,4 +400,6 @@ FAMILY = Family(
     serving_snippet=serving_snippet,
     SERVE_FORMAT=SERVE_FORMAT,
     vllm_serving=vllm_serving,
+    tiny={"num_layers": 1},
+    tiny_lora={"lora_rank": 4},
 )

@@ -125,6 +125,8 @@ class DSparkDrafter(nn.Module):
     vLLM's `Qwen3DSparkModel` names. `forward` is the whole training pass (one forward per backward
     for DDP/FSDP): the packed blocks, the selected slots' outputs, their Markov bias and confidence."""
 
+    d2t: torch.Tensor  # dflash.add_draft_vocab's buffer, only on a reduced vocabulary (hasattr tells)
+
     def __init__(self, config, n_aux: int, target_hidden: int, cfg: DrafterConfig):
         super().__init__()
         dflash.add_backbone(self, config, n_aux, target_hidden)
@@ -147,6 +149,7 @@ class DSparkDrafter(nn.Module):
     def confidence_logits(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """The confidence head's pre-sigmoid output [...] from h [..., H] and e [..., r], in fp32 even
         under autocast (vLLM keeps the head's parameters fp32)."""
+        assert self.confidence_head is not None  # its callers run it only with the head (enable_confidence_head)
         proj = self.confidence_head.proj
         x = (torch.cat([h, e.to(h.dtype)], -1) if self.with_markov else h).float()
         with torch.autocast(device_type=x.device.type, enabled=False):
@@ -174,6 +177,7 @@ def resolve(cfg: DrafterConfig, target_config, init_config: dict | None = None) 
 def build(cfg: DrafterConfig, target, dataset=None) -> DSparkDrafter:
     """The drafter; on a reduced vocabulary its draft tokens from `dataset` (dflash.build's rule)."""
     cfg = resolve(cfg, target.config)
+    assert cfg.aux_layers is not None  # resolve named the exact layers
     config = dflash.backbone_config(cfg, target)
     drafter = DSparkDrafter(config, len(cfg.aux_layers), config.hidden_size, cfg)
     if dataset is not None:
@@ -213,6 +217,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     if conf_logits is None:
         return loss, n, metrics
     keep = blocks.valid.float().flatten()
+    assert blocks.soft is not None  # the confidence head: block_targets kept the target's logits (keep_soft)
     soft = blocks.soft[blocks.rows.flatten()]
     accept = soft_acceptance(logits.flatten(0, 1), soft, target_logprobs=t2d is not None)  # [N*(B-1)], no grad
     bce = confidence_bce(conf_logits.flatten(), accept, keep)
@@ -242,6 +247,8 @@ class MarkovProposer(Proposer):
     drawn from l_i = z_i + W2 W1[prev_i], prev_1 = the bonus token, prev_{i+1} = draft i (greedy: its
     argmax; with a `sampler`: a sample, whose q is the Markov-corrected distribution). Each draft
     carries c_i = sigmoid(confidence head) in `draft.confidence`. Chains only, like DFlash."""
+
+    max_depth: int  # the block proposer's: B-1 mask slots
 
     def __init__(self, drafter, target, cfg: DrafterConfig):
         # The drafter lives in the block proposer only (`drafter` below), so the modules the engine
@@ -368,4 +375,5 @@ FAMILY = Family(
     vllm_serving=vllm_serving,
     consumer_check=dflash.consumer_check,  # speculators' loader; vLLM's: the vllm_families test
     resolve=resolve,
+    tiny={"aux_layers": [0, 1], "block_size": 4, "markov_rank": 8},
 )

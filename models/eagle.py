@@ -113,7 +113,8 @@ class EagleDrafter(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = LlamaDecoderLayer(config, layer_idx=0)
         # EAGLE feeds fc's output straight into attention; vLLM's EagleLlama layer 0 has no input_layernorm.
-        self.layer.input_layernorm = nn.Identity()
+        # (transformers types the slot LlamaRMSNorm; this layer deliberately holds an Identity there.)
+        self.layer.input_layernorm = nn.Identity()  # type: ignore[assignment]
         self.rotary = keep_rope_fp32(LlamaRotaryEmbedding(config))
 
     def step(self, features, token_embeds, position_ids, attention_mask, cache=None):
@@ -157,10 +158,6 @@ def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
     return FEATURES
 
 
-def max_draft_depth(cfg: DrafterConfig) -> int | None:
-    return None  # autoregressive over its own drafts: any chain length or tree depth
-
-
 def build(cfg: DrafterConfig, target, dataset=None) -> EagleDrafter:
     return EagleDrafter(layer_config(target.config))
 
@@ -192,7 +189,8 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     embed, lm_head = draft_embeddings(target), target.get_output_embeddings()
     outs = forward(f_in, embed(ids_ext[:, 1:]), attn[:, 1:], steps)
     roots = torch.arange(t, device=ids.device)
-    total, metrics = 0.0, {}
+    total: float | torch.Tensor = 0.0  # a Tensor once step 0's loss is added
+    metrics: dict[str, torch.Tensor] = {}
     for j, out in enumerate(outs):
         # Step j of chain r predicts f_{r+j+1}, i.e. the target's distribution for t_{r+j+2}:
         # counted iff that token exists and is trained (an assistant token).
@@ -316,7 +314,6 @@ FAMILY = Family(
     NAME=NAME,
     DrafterConfig=DrafterConfig,
     feature_names=feature_names,
-    max_draft_depth=max_draft_depth,
     build=build,
     rebuild=rebuild,
     compute_loss=compute_loss,

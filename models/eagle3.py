@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import Field, dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import Any, ClassVar, Protocol, TypeVar, overload
 
 import torch
 from torch import nn
@@ -90,6 +91,23 @@ class DrafterConfig:
 SWITCHES = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE-3.1, under speculators' and vLLM's names
 
 
+class BodyConfig(Protocol):
+    """The fields of a config on EAGLE-3's body that the shared functions here read (`aux_layers`,
+    `feature_names`, `build`, `write_speculators`): EAGLE-3's DrafterConfig and P-EAGLE's
+    (models/peagle.py), which is no subclass of it (no TTT fields, other switches: read with getattr).
+    A dataclass: `replace` makes the resolved copy."""
+
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
+    aux_layers: list | None
+    draft_vocab_size: int
+
+
+BodyConfigT = TypeVar("BodyConfigT", bound=BodyConfig)
+Body = Any  # an nn.Module that `add_body` filled in (EAGLE-3's or P-EAGLE's head): its parts (fc, midlayer,
+# lm_head, d2t, t2d ...) are set at run time, so they type as Any.
+DrafterT = TypeVar("DrafterT", bound=nn.Module)  # build's drafter_class: P-EAGLE's head on the same body
+
+
 def default_aux_layers(n: int) -> list[int]:
     """The low, mid and high layers of an n-layer target that SpecForge and vLLM fuse by default.
 
@@ -102,7 +120,7 @@ def default_aux_layers(n: int) -> list[int]:
     return [1, n // 2 - 1, n - 4]
 
 
-def aux_layers(cfg: DrafterConfig, target_config) -> list[int]:
+def aux_layers(cfg: BodyConfig, target_config) -> list[int]:
     n = target_config.num_hidden_layers
     layers = list(cfg.aux_layers) if cfg.aux_layers else default_aux_layers(n)
     bad = [a for a in layers if not isinstance(a, int) or not 0 <= a < n]
@@ -169,14 +187,14 @@ def from_init(cfg: DrafterConfig, init_config: dict, target_config) -> DrafterCo
     return cfg
 
 
-def feature_names(cfg: DrafterConfig, target_config) -> tuple[str, ...]:
+def feature_names(cfg: BodyConfig, target_config) -> tuple[str, ...]:
     # The three fused layers, plus the last (post-norm) hidden state whose lm_head gives the
     # target distribution the loss matches.
     return tuple(f"hidden.{a}" for a in aux_layers(cfg, target_config)) + ("last_hidden",)
 
 
 def add_body(
-    module: nn.Module,
+    module: Body,
     config,
     draft_vocab: int,
     target_vocab: int,
@@ -287,24 +305,31 @@ class Eagle3Drafter(nn.Module):
         return logits
 
 
-def max_draft_depth(cfg: DrafterConfig) -> int | None:
-    return None  # autoregressive over its own drafts: any chain length or tree depth
-
-
 def resolve(cfg: DrafterConfig, target_config, init_config: dict | None = None) -> DrafterConfig:
     """The config a run builds with and saves: the init_from head's layers and switches, then the
     exact aux layers (the saved config names them, whatever the default is when it is read back)."""
     if init_config is not None:
         cfg = from_init(cfg, init_config, target_config)
+    return exact_aux_layers(cfg, target_config)
+
+
+def exact_aux_layers(cfg: BodyConfigT, target_config) -> BodyConfigT:
+    """`cfg` naming its exact aux layers: all `resolve` does without an init_from head, and all `build`
+    does, which P-EAGLE's config (resolved by its own family) passes through too."""
     return replace(cfg, aux_layers=aux_layers(cfg, target_config))
 
 
-def build(cfg: DrafterConfig, target, dataset=None, drafter_class=None) -> Eagle3Drafter:
+# The head's type follows drafter_class: EAGLE-3's own, or the class P-EAGLE passes (PEagleDrafter).
+@overload
+def build(cfg: BodyConfig, target, dataset=None, drafter_class: None = None) -> Eagle3Drafter: ...
+@overload
+def build(cfg: BodyConfig, target, dataset=None, *, drafter_class: type[DrafterT]) -> DrafterT: ...
+def build(cfg: BodyConfig, target, dataset=None, drafter_class=None):
     """The head, its draft vocabulary from `dataset` and lm_head warm-started from the target's rows.
     `drafter_class`: P-EAGLE's, another module on the same body (`add_body`) with another forward."""
     tc = target.config
-    cfg = resolve(cfg, tc)
-    drafter = (drafter_class or Eagle3Drafter)(
+    cfg = exact_aux_layers(cfg, tc)  # = resolve(cfg, tc): no init_from head here
+    drafter: Body = (drafter_class or Eagle3Drafter)(
         layer_config(tc),
         min(cfg.draft_vocab_size, tc.vocab_size),
         tc.vocab_size,
@@ -371,7 +396,8 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     aux = aux_features(feats, names)[:, :t]
     embeds = draft_embeddings(target)(ids_ext[:, 1:])
     logits = forward(aux.to(drafter.fc.weight.dtype), embeds, attn[:, :t], selections)
-    total, metrics = 0.0, {}
+    total: float | torch.Tensor = 0.0  # a Tensor once step 0's loss is added
+    metrics: dict[str, torch.Tensor] = {}
     for j, (s_logits, (t_draft, keep)) in enumerate(zip(logits, labels)):
         loss = TOKEN_LOSSES[cfg.loss](s_logits, t_draft, keep)
         if cfg.hass:  # the target's top-k among draft-vocab tokens
@@ -431,7 +457,7 @@ def write_sglang(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info
     write_tensors(out, config, drafter.state_dict())
 
 
-def write_speculators(drafter, cfg: DrafterConfig, target, meta: dict, tok, out, info: dict) -> None:
+def write_speculators(drafter, cfg: BodyConfig, target, meta: dict, tok, out, info: dict) -> None:
 
     state = renamed(drafter.state_dict(), "midlayer.", "layers.0.")
     # vLLM keeps a drafter's own embed_tokens when it differs from the target's, so ship the
@@ -651,7 +677,6 @@ FAMILY = Family(
     NAME=NAME,
     DrafterConfig=DrafterConfig,
     feature_names=feature_names,
-    max_draft_depth=max_draft_depth,
     build=build,
     rebuild=rebuild,
     compute_loss=compute_loss,
@@ -666,4 +691,5 @@ FAMILY = Family(
     vllm_serving=vllm_serving,
     consumer_check=consumer_check,
     resolve=resolve,
+    tiny={"aux_layers": [0, 1, 2], "draft_vocab_size": 60},
 )

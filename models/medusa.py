@@ -30,6 +30,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,7 +41,7 @@ from draftsmith.engine.proposers import Proposer
 from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import vllm_snippet, write_tensors
-from draftsmith.models.training import draft_vocab, layer_activation_bytes, lora_config
+from draftsmith.models.training import check_draft_vocab, draft_vocab, layer_activation_bytes, lora_config
 from draftsmith.target.load import freeze
 from draftsmith.util.losses import forward_kl, soft_cross_entropy
 
@@ -128,6 +129,13 @@ class MedusaHeads(nn.Module):
     With `shared_lm_head` (vLLM's `original_lm_head`) every head ends in the target's own lm_head,
     held by reference: not a parameter of the heads, never trained, saved or copied."""
 
+    # Indexing or iterating a ModuleList types as a bare Module: blocks[h] is a plain nn.Module whose
+    # `layers` (ResBlocks) are set at run time, lm_heads[h] an nn.Linear. Typed Any.
+    blocks: Any
+    lm_heads: Any
+    token_map: torch.Tensor  # a buffer, registered only on a reduced vocabulary (hasattr tells)
+    shared_lm_head: nn.Linear | None  # the target's lm_head: a plain attribute (object.__setattr__)
+
     def __init__(
         self,
         hidden: int,
@@ -136,7 +144,7 @@ class MedusaHeads(nn.Module):
         num_layers: int,
         bias: bool,
         draft_vocab: int = 0,
-        shared_lm_head: nn.Module | None = None,
+        shared_lm_head: nn.Linear | None = None,
     ):
         super().__init__()
         if draft_vocab:  # token_map[i] = the target id of draft id i (vLLM's name)
@@ -158,6 +166,7 @@ class MedusaHeads(nn.Module):
             h = layer(h)
         if len(self.lm_heads):
             return self.lm_heads[k](h)
+        assert self.shared_lm_head is not None  # no own lm_heads: every head ends in the shared one
         if not hasattr(self, "token_map"):
             return self.shared_lm_head(h.to(self.shared_lm_head.weight.dtype))
         weight = self.shared_rows()
@@ -166,6 +175,7 @@ class MedusaHeads(nn.Module):
     def shared_rows(self) -> torch.Tensor:
         """The target lm_head's rows of the draft vocabulary, [draft_vocab, H], gathered once per
         token_map (a loaded checkpoint bumps its version) instead of on every head call."""
+        assert self.shared_lm_head is not None  # only heads that share the target's lm_head gather its rows
         key = (self.token_map.data_ptr(), self.token_map._version, self.shared_lm_head.weight.data_ptr())
         if getattr(self, "_rows_key", None) != key:
             self._rows = self.shared_lm_head.weight.detach()[self.token_map]
@@ -301,6 +311,12 @@ def max_draft_depth(cfg: DrafterConfig) -> int | None:
     return cfg.num_heads  # one head per draft position: no deeper chain or tree
 
 
+def resolve(cfg: DrafterConfig, target_config, init_config: dict | None = None) -> DrafterConfig:
+    """Its config as given, once the draft vocabulary is known to fit the target's."""
+    check_draft_vocab(cfg.draft_vocab_size, target_config)
+    return cfg
+
+
 def build(cfg: DrafterConfig, target, dataset=None) -> MedusaHeads | Medusa2:
     tc = target.config
     lm_head = target.get_output_embeddings()
@@ -380,7 +396,9 @@ def compute_loss(model, target, batch: dict, feats: dict, cfg: DrafterConfig, st
         logits = forward([h[b, t] for b, t in rows])  # one call through the wrapper for all heads
     row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
     row_of[teach] = torch.arange(len(teach[0]), device=ids.device)
-    heads_loss, metrics, n = 0.0, {}, None
+    heads_loss: float | torch.Tensor = 0.0  # a Tensor once head 0's loss is added
+    metrics: dict[str, torch.Tensor] = {}
+    n = None
     for k, ((b, t), lg) in enumerate(zip(rows, logits)):
         soft = teacher[row_of[b, t + k + 1]] if cfg.soft_labels else None
         wanted = soft.argmax(-1) if soft is not None else ids[b, t + k + 2]
@@ -397,6 +415,7 @@ def compute_loss(model, target, batch: dict, feats: dict, cfg: DrafterConfig, st
         n = keep.sum() if k == 0 else n
     if not joint:
         return heads_loss, n, metrics
+    assert isinstance(heads_loss, torch.Tensor)  # rows is not empty (returned above): head 0's loss is in
     kl = forward_kl(trained, teacher, torch.ones(len(teacher), device=ids.device))
     metrics.update(heads_loss=heads_loss.detach(), kl_loss=kl.detach())
     return kl + lambda0(cfg, step) * heads_loss, n, metrics
@@ -441,7 +460,8 @@ class MedusaProposer(Proposer):
             )
         logits = self._head_logits(feats)
         ranked = [self.heads.to_target(lg.topk(spec.top_k).indices).tolist() for lg in logits[: spec.depth]]
-        draft, index = Draft(), {}
+        draft = Draft()
+        index: dict[tuple[int, ...], int] = {}  # a path -> its node in the draft
         for path in spec.paths:  # sorted by depth, so a parent always precedes its children
             index[path] = draft.add(ranked[len(path) - 1][path[-1]], index.get(path[:-1], -1))
         return draft
@@ -541,6 +561,7 @@ def read_export(path, target) -> dict[str, torch.Tensor]:
 def from_export(path, config: dict, cfg: DrafterConfig, target) -> MedusaHeads:
     cfg.backbone = "frozen"  # exported heads are plain Medusa heads; a Medusa-2 backbone is `backbone/`
     heads = build(cfg, target)
+    assert isinstance(heads, MedusaHeads)  # backbone frozen: build returns the plain heads
     heads.load_state_dict(read_export(path, target), strict=True)
     return heads
 
@@ -597,4 +618,7 @@ FAMILY = Family(
     verifier=verifier,
     trains_target=trains_target,
     original=original,
+    resolve=resolve,
+    tiny={"num_heads": 2},
+    tiny_lora={"backbone": "lora", "lora_rank": 4, "backbone_lr": 1e-3},
 )

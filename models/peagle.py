@@ -98,6 +98,8 @@ class PEagleDrafter(nn.Module):
     SpecForge start it; forward is the one parallel pass (`packed_inputs`), so DDP/FSDP see one forward
     per backward."""
 
+    fc: nn.Linear  # add_body's, set at run time: mask_hidden is as wide as its input
+
     def __init__(self, config, draft_vocab: int, target_vocab: int, **switches):
         super().__init__()
         add_body(self, config, draft_vocab, target_vocab, **switches)
@@ -193,7 +195,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     out = forward(aux, embed(ids[:, 1:]), mask_embed, attn[:, :t], chains)
     # Depth 0: real slot i predicts x_{i+2} (label row i+1); slot (a, d) predicts label row a+d+1.
     b0, i0 = (row_of[:, 1:] >= 0).nonzero(as_tuple=True)
-    sel = [(b0, i0, row_of[b0, i0 + 1], torch.zeros_like(b0))]
+    sel: list[tuple[torch.Tensor, ...]] = [(b0, i0, row_of[b0, i0 + 1], torch.zeros_like(b0))]
     rows_of = row_of.tolist()
     extra = [(b, t + j, rows_of[b][a + d + 1], d) for b, slots in enumerate(chains) for j, (a, d) in enumerate(slots)]
     if extra:
@@ -241,6 +243,7 @@ class ParallelProposer(Proposer):
         n_feats = next(iter(feats.values())).shape[1]
         new = {name: f[:, self.n_real :] for name, f in feats.items()}
         m = min(k, self.cfg.depths) - 1
+        assert self.cfg.mask_token_id is not None  # the proposer's config is resolved (make_proposer)
         hidden = torch.cat([fuse(d, aux_features(new, self.feature_names)), fuse(d, d.mask_hidden).expand(1, m, -1)], 1)
         mask_ids = torch.full((1, m), self.cfg.mask_token_id, device=device)
         emb = self.embed(torch.cat([tokens[:, self.n_real + 1 : n_feats + 1], mask_ids], dim=1))
@@ -376,4 +379,5 @@ FAMILY = Family(
     vllm_serving=vllm_serving,
     consumer_check=consumer_check,
     resolve=resolve,
+    tiny={"aux_layers": [0, 1, 2], "draft_vocab_size": 60, "depths": 3},
 )

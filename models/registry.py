@@ -1,6 +1,9 @@
 """The explicit registry of drafter families: name -> the family's record (models/family.py).
-Adding a family = one module ending in `FAMILY = Family(...)` + one line here; tests/architecture/test_registry.py
-checks that every family module is registered and every recipe's `drafter.type` is."""
+Adding a family = one module ending in `FAMILY = Family(...)` (its `tiny` sizes too) + one line here + its
+recipes; everything that runs every family (benchmarks/tiny_target.py, the tests, scripts/gpu-check.sh)
+reads this dict. tests/architecture/test_registry.py checks that every family module is registered, every
+record has the record's signatures and every recipe's `drafter.type` is registered; test_new_family.py
+registers a throwaway family and runs it through train, eval and export."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ DRAFTERS: dict[str, Family] = {
 DEFAULT_DRAFTER = "eagle"  # a recipe that names no drafter.type
 
 
-def drafter_module(name: str, where: str = "drafter.type") -> Family:
+def drafter_family(name: str, where: str = "drafter.type") -> Family:
     if name not in DRAFTERS:
         close = difflib.get_close_matches(str(name), list(DRAFTERS), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
@@ -38,19 +41,19 @@ def drafter_module(name: str, where: str = "drafter.type") -> Family:
 
 
 def load_drafter(path: str | Path, target, allow_stale: bool = False):
-    """A saved draftsmith drafter -> (module, drafter config, drafter); refuses drafters trained
+    """A saved draftsmith drafter -> (family, drafter config, drafter); refuses drafters trained
     for another target unless `allow_stale` (measuring staleness after a target update)."""
     meta = read_drafter_meta(Path(path))
-    module = drafter_module(meta["drafter"], f"{path}/config.json: drafter")
+    family = drafter_family(meta["drafter"], f"{path}/config.json: drafter")
     if not allow_stale:
         check_fingerprint(meta, fingerprint(target), str(path))
     cfg = from_dict(
-        module.DrafterConfig,
+        family.DrafterConfig,
         {k: v for k, v in meta["drafter_config"].items() if k != "type"},
         f"{path}/config.json: drafter_config",
     )
-    cfg = module.resolve(cfg, target.config)  # a folder written by hand may leave a default unsaid
-    drafter = module.rebuild(meta, target)
+    cfg = family.resolve(cfg, target.config)  # a folder written by hand may leave a default unsaid
+    drafter = family.rebuild(meta, target)
     weights = load_state(Path(path))
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     own = drafter.state_dict()
@@ -62,12 +65,12 @@ def load_drafter(path: str | Path, target, allow_stale: bool = False):
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
     param = next(target.parameters())
-    return module, cfg, drafter.to(param.device, param.dtype).eval()
+    return family, cfg, drafter.to(param.device, param.dtype).eval()
 
 
 def target_to_load_on(target, path: str | Path):
     """The target object to load the drafter at `path` on: a drafter that trained the backbone
     (Medusa-2) injects its adapters into the target it is loaded on, so it gets its own copy."""
     meta = json.loads((Path(path) / "config.json").read_text())
-    module = drafter_module(meta.get("drafter", ""), f"{path}/config.json: drafter")
-    return copy.deepcopy(target) if module.trains_target(meta.get("drafter_config", {})) else target
+    family = drafter_family(meta.get("drafter", ""), f"{path}/config.json: drafter")
+    return copy.deepcopy(target) if family.trains_target(meta.get("drafter_config", {})) else target

@@ -4,9 +4,14 @@ estimate of `plan`."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from draftsmith import DraftsmithError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def max_over_ranks(n: int, device: torch.device) -> int:
@@ -36,6 +41,17 @@ def target_label_rows(lm_head, last: torch.Tensor, need: torch.Tensor, reduce):
     return row_of, [torch.cat(p) for p in zip(*parts)]
 
 
+def check_draft_vocab(size: int, target_config) -> None:
+    """Refuse a draft vocabulary larger than the target's when the run resolves its config, before
+    any data is read or a head is built (a 10M-row request once sat in its first step for minutes)."""
+    vocab = target_config.vocab_size
+    if size > vocab:
+        raise DraftsmithError(
+            f"drafter.draft_vocab_size: {size} is more than the target's vocabulary ({vocab} tokens); "
+            f"expected 0 (the whole vocabulary) or a count up to {vocab}"
+        )
+
+
 def draft_vocab(dataset, vocab: int, size: int) -> torch.Tensor:
     """The `size` most frequent target tokens among loss-masked (trained) tokens, sorted by id: the
     reduced draft vocabulary of EAGLE-3 heads and Medusa heads (FR-Spec, Zhao et al. 2025).
@@ -58,7 +74,7 @@ def to_target_vocab(small: torch.Tensor, d2t: torch.Tensor, vocab: int) -> torch
     return small.new_full((*small.shape[:-1], vocab), float("-inf")).index_copy(-1, ids + d2t[ids], small)
 
 
-def lora_config(cfg, model: torch.nn.Module):
+def lora_config(cfg, model: PreTrainedModel):
     """peft LoraConfig from a family config's lora_rank / lora_alpha / lora_dropout / lora_target_modules
     (Medusa-2's backbone, a distilled student); names that are not linear layers of `model` fail with
     the ones that are."""

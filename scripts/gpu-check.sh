@@ -44,36 +44,32 @@ if [ "$dry" = 0 ]; then
   "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
     || { echo "gpu-check.sh: error: no CUDA GPU visible to torch (on CPU use --cpu-dry)" >&2; exit 1; }
   mode_args=(target_dtype=bf16 optim.mixed_precision=bf16 eval.dtype=bf16); dtype=bf16; preset=(--preset single-gpu)
-  families=(eagle eagle3 peagle dflash dspark dflash2 medusa distill)
 else
   mode_args=(eval.num_prompts=3 eval.max_new_tokens=16); dtype=auto; preset=(); steps=2
-  families=(eagle3)
 fi
 export DRAFTSMITH_VLLM_PYTHON=none  # vLLM is not part of this image; the serve-check runs where it is
+
+# The families, as the package lists them (models/registry.py), no copy here: per line, a family's name,
+# the format vLLM serves it from and its tiny run's overrides (its record's `tiny`; eval.k at most 3).
+listing=$("$python" -m benchmarks.tiny_target --families 3)
+all=(); declare -A extra=() format=()
+while read -r f fmt args; do all+=("$f"); format[$f]=$fmt; extra[$f]=$args; done <<< "$listing"
+if [ "$dry" = 0 ]; then families=("${all[@]}"); else families=(eagle3); fi  # --cpu-dry: one family end to end
 
 rm -rf "$out" && mkdir -p "$out"
 start=$SECONDS
 "$python" -m benchmarks.tiny_target "$out/target" --arch Qwen/Qwen3-8B --layers 4 --steps "$([ "$dry" = 1 ] && echo 20 || echo 300)"
 echo "[time] target: $((SECONDS - start)) s"
 
-declare -A extra=(
-  [eagle]="" [eagle3]="drafter.aux_layers=[0,1,2] drafter.draft_vocab_size=60"
-  [peagle]="drafter.aux_layers=[0,1,2] drafter.draft_vocab_size=60 drafter.depths=4"
-  [dflash]="drafter.aux_layers=[0,1,2] drafter.block_size=4"
-  [dspark]="drafter.aux_layers=[0,1,2] drafter.block_size=4 drafter.markov_rank=8"
-  [dflash2]="drafter.aux_layers=[0,1,2] drafter.block_size=4 drafter.selector_rank=8 drafter.selector_top_k=4"
-  [medusa]="drafter.num_heads=3" [distill]="drafter.num_layers=2"
-)
-declare -A format=([eagle]=vllm [eagle3]=speculators [peagle]=speculators [dflash]=speculators [dspark]=speculators [dflash2]=speculators [medusa]=vllm [distill]=hf)
 recipe="$out/recipe.yaml"
 echo "{}" > "$recipe"  # everything comes as key=value below
 common=(target="$out/target" output_dir="$out/runs" data.train="$out/target/train.jsonl"
         data.holdout="$out/target/holdout.jsonl" data.max_length=96 optim.batch_size=16 optim.max_steps="$steps"
-        optim.warmup_steps=5 optim.lr=3e-3 eval.num_prompts=12 eval.max_new_tokens=48 eval.k=3 "${mode_args[@]}")  # mode_args last: its keys win
+        optim.warmup_steps=5 optim.lr=3e-3 eval.num_prompts=12 eval.max_new_tokens=48 "${mode_args[@]}")  # mode_args last: its keys win
 if [ "$dry" = 1 ]; then
-  for f in eagle eagle3 peagle dflash dspark dflash2 medusa distill; do
+  for f in "${all[@]}"; do
     # shellcheck disable=SC2086
-    ./launch.sh "$recipe" --preset single-gpu --dry-run run="$f" drafter.type="$f" ${extra[$f]} "${common[@]}" >/dev/null
+    ./launch.sh "$recipe" --preset single-gpu --dry-run run="$f" ${extra[$f]} "${common[@]}" >/dev/null
   done
   echo "launch commands: every family's parses (launch.sh --dry-run)"
 fi
@@ -82,7 +78,7 @@ rows=(); failed=0
 for f in "${families[@]}"; do
   t0=$SECONDS; trained=ok; verified=ok
   # shellcheck disable=SC2086
-  ./launch.sh "$recipe" "${preset[@]}" run="$f" drafter.type="$f" ${extra[$f]} "${common[@]}" > "$out/$f-train.log" 2>&1 \
+  ./launch.sh "$recipe" "${preset[@]}" run="$f" ${extra[$f]} "${common[@]}" > "$out/$f-train.log" 2>&1 \
     || { trained=FAILED; failed=1; }
   t_train=$((SECONDS - t0)); t0=$SECONDS
   if [ "$trained" = ok ]; then

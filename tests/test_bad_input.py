@@ -136,3 +136,32 @@ def test_commands_check_their_inputs_before_loading_a_model(args, message, tmp_p
     fill = {"run": str(run), "missing": str(tmp_path / "missing.jsonl"), "out": str(tmp_path / "out")}
     assert main([a.format(**fill) for a in args]) == 1
     assert message in _one_line(capsys)
+
+
+@pytest.mark.parametrize("command", [["train"], ["plan"], ["data", "inspect"], ["data", "features", "--out", "f"]])
+def test_an_empty_source_in_a_plus_join_is_one_line(command, capsys, monkeypatch):
+    """It once read '' as a dataset name: `draftsmith: error: : cannot load data (list index out of range)`."""
+    monkeypatch.chdir(ROOT)
+    assert main([*command, "recipes/cpu/eagle-smollm2.yaml", "data.train=builtin:code+"]) == 1
+    assert _one_line(capsys) == "draftsmith: error: data.train: 'builtin:code+' has an empty part after '+'"
+
+
+def test_regenerate_refuses_malformed_tool_use_before_loading_a_model(tmp_path, capsys, monkeypatch):
+    """Tool calls whose arguments are no JSON, and a tool result that answers no call, are malformed
+    records (tests/data/test_multiturn.py skips them among good ones); here every record is one."""
+    from draftsmith.target import load as target_module
+
+    monkeypatch.setattr(target_module, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
+    user, result = {"role": "user", "content": "2+2?"}, {"role": "tool", "tool_call_id": "c1", "content": "4"}
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"function": {"name": "add", "arguments": "{not json"}}],
+    }
+    path = tmp_path / "tools.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in ([user, call, result], [user, result])))
+    assert main(["data", "regenerate", "--data", str(path), "--out", str(tmp_path / "out.jsonl")]) == 1
+    line = _one_line(capsys)
+    assert line.startswith(f"draftsmith: error: {path}: all 2 records are malformed ({path}:1: 'messages' turn 1")
+    assert "'arguments' are not JSON" in line and f"{path}:2: 'messages' turn 1 is a tool result" in line
+    assert not (tmp_path / "out.jsonl").exists()

@@ -105,15 +105,13 @@ def test_block_step_cost_times_a_real_step_and_counts_every_trained_slot(family,
     samples have mask slots, and each timing is a positive wall time."""
     from benchmarks import block_step_cost
     from benchmarks.tiny_target import TINY_DRAFTERS
-    from draftsmith.models.registry import drafter_module
+    from draftsmith.models.registry import drafter_family
     from draftsmith.target.load import load_target
     from tests.conftest import save_target
 
     target, _ = load_target(str(save_target(tmp_path, layers=4)), "float32")
-    module = drafter_module(family)
-    cfg = module.DrafterConfig(
-        **{k.removeprefix("drafter."): v for k, v in TINY_DRAFTERS[family].items()}, num_anchors=5
-    )
+    fam = drafter_family(family)
+    cfg = fam.DrafterConfig(**{k.removeprefix("drafter."): v for k, v in TINY_DRAFTERS[family].items()}, num_anchors=5)
     if hasattr(cfg, "draft_vocab_size"):  # as the CPU recipes: the benchmark times the whole vocabulary
         cfg = dataclasses.replace(cfg, draft_vocab_size=40)
     ids = torch.randint(5, 100, (2, 20), generator=torch.Generator().manual_seed(0))

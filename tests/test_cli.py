@@ -234,3 +234,11 @@ def test_regenerate_is_resumable(tiny_target_dir, chat_jsonl, tmp_path):
     assert sorted(r["id"] for r in rows) == list(range(6)) and not partial.exists()
     assert rows[0]["messages"][-1]["content"] == "KEEP"  # finished work was not redone
     assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
+
+
+def test_data_corpus_makes_the_folder_of_its_out(tmp_path, capsys):
+    """Users' records go in datasets/ (git-ignored), which a fresh checkout does not have yet."""
+    out = tmp_path / "datasets" / "code-holdout.jsonl"
+    assert main(["data", "corpus", "builtin:code-holdout", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and f"wrote {len(rows)} records to {out}" in capsys.readouterr().out

@@ -2,13 +2,44 @@
 launch command, then one family trained, evaluated with the rule checked and exported with --verify).
 On a GPU it is run by hand (docs/scale-out.md); CI has none."""
 
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from draftsmith.models.registry import DRAFTERS
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
+
+
+def listing(capsys) -> dict[str, tuple[str, list[str]]]:
+    """What gpu-check.sh reads of the package: family -> (format it exports, its run's overrides)."""
+    from benchmarks.tiny_target import main
+
+    main(["--families", "3"])
+    return {name: (fmt, args) for name, fmt, *args in (line.split() for line in capsys.readouterr().out.splitlines())}
+
+
+def test_it_keeps_no_copy_of_the_families_their_tiny_runs_or_formats():
+    """They come from the package (`python -m benchmarks.tiny_target --families`): the script names no
+    family but the one its CPU dry path runs, and holds no drafter settings nor a format map."""
+    text = SCRIPT.read_text()
+    named = [f for f in DRAFTERS if re.search(rf"(?<![\w.-]){re.escape(f)}(?![\w.-])", text)]
+    assert len(named) <= 1, named
+    assert "drafter." not in text and not re.search(r"\[\w+\]=", text)
+
+
+def test_the_family_listing_is_the_registry(capsys):
+    from draftsmith.train.config import load_config
+
+    families = listing(capsys)
+    assert list(families) == list(DRAFTERS)
+    for name, (fmt, args) in families.items():
+        assert fmt == (DRAFTERS[name].SERVE_FORMAT or next(iter(DRAFTERS[name].EXPORTS)))
+        cfg = load_config(None, args)  # one shell word each; eval.k within what the family drafts
+        assert cfg.drafter == {"type": name, **DRAFTERS[name].tiny} and 1 <= cfg.eval.k <= 3
 
 
 def test_it_parses_and_refuses_bad_arguments():

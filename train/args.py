@@ -1,7 +1,7 @@
-"""The flags of the commands that read a recipe (`draftsmith train`, `plan`, `data features`, `data
-inspect`): one dataclass a command, one field a flag, the docstring its help (draftsmith/util/flags.py
-builds the parser). Light on purpose: `draftsmith --help` imports this module, and train/commands.py
-only when one runs."""
+"""The flags of the commands that read a whole recipe (`draftsmith train`, `plan`): one dataclass a
+command, one field a flag, the docstring its help (draftsmith/util/flags.py builds the parser). Light
+on purpose: `draftsmith --help` imports this module, and train/commands.py only when one runs. The
+`data` commands' flags, `data features` and `data inspect` included, are data/args.py's."""
 
 from __future__ import annotations
 
@@ -25,15 +25,3 @@ class PlanArgs(RecipeArgs):
     """one preset only (default: all)"""
     gpu_memory: float = 80.0
     """GiB per GPU, for the `fits` column"""
-
-
-@dataclass(kw_only=True)
-class FeaturesArgs(RecipeArgs):
-    out: str
-    batch_size: int = 8
-
-
-@dataclass(kw_only=True)
-class InspectArgs(RecipeArgs):
-    index: int = 0
-    """which record of data.train (0-based)"""

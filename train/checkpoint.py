@@ -48,7 +48,7 @@ def list_steps(run_dir: Path) -> list[Path]:
     if not run_dir.is_dir():
         return []
     steps = [p for p in run_dir.iterdir() if p.is_dir() and STEP_RE.match(p.name)]
-    return sorted(steps, key=lambda p: int(STEP_RE.match(p.name).group(1)))
+    return sorted(steps, key=lambda p: int(p.name.removeprefix("step-")))  # numeric: step-1000000 after 999999
 
 
 def find_resume(run_dir: Path, resume: str) -> Path | None:

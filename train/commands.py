@@ -1,21 +1,21 @@
-"""The commands that read a recipe: `draftsmith train`, `plan`, `data features` and `data inspect`
-(their flags: train/args.py). The last two are data work, run from here because recipes are train's."""
+"""The commands that read a whole recipe: `draftsmith train` and `plan` (their flags: train/args.py),
+and the entry point of `data features`, whose work is data/commands.py `features`: it runs from here
+because the feature names are the drafter family's (models/, above data), checked with the whole
+recipe as `draftsmith train` checks it."""
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from draftsmith import DraftsmithError
-from draftsmith.data.batching import build_dataset
-from draftsmith.data.inspect import encoded_example, print_example
-from draftsmith.data.load import thinking_kwargs
-from draftsmith.models.registry import drafter_module
-from draftsmith.target.load import fingerprint, load_target
-from draftsmith.train.args import FeaturesArgs, InspectArgs, PlanArgs, RecipeArgs
+from draftsmith.data.args import FeaturesArgs
+from draftsmith.data.commands import features
+from draftsmith.data.config import RecipeData
+from draftsmith.models.registry import drafter_family
+from draftsmith.train.args import PlanArgs, RecipeArgs
 from draftsmith.train.config import drafter_config, load_config
-from draftsmith.train.loop import train, write_features
+from draftsmith.train.loop import train
 from draftsmith.train.plan import plan
 
 
@@ -40,33 +40,6 @@ def run_plan(args: PlanArgs) -> None:
 
 def run_features(args: FeaturesArgs) -> None:
     cfg = load_config(args.recipe, args.overrides)
-    target, tok = load_target(cfg.target, cfg.target_dtype, cfg.cache_dir)
-    ds = build_dataset(
-        cfg.data.train,
-        tok,
-        cfg.data.max_length,
-        cfg.data.max_examples,
-        split=cfg.data.split,
-        malformed=cfg.data.malformed,
-        chat=thinking_kwargs(cfg.data.thinking),
-    )
-    names = drafter_module(cfg.drafter["type"]).feature_names(drafter_config(cfg), target.config)
-    out = write_features(cfg, target, tok, ds, names, Path(args.out), fingerprint(target), args.batch_size)
-    print(f"wrote {out} ({len(ds)} examples); train with data.offline_features={out}")
-
-
-def run_inspect(args: InspectArgs) -> None:
-    cfg = load_config(args.recipe, args.overrides)
-    data = cfg.data
-    print_example(
-        *encoded_example(
-            data.train,
-            data.split,
-            args.index,
-            cfg.target,
-            cfg.cache_dir,
-            data.max_length,
-            data.malformed,
-            data.thinking,
-        )
-    )
+    family, dcfg = drafter_family(cfg.drafter["type"]), drafter_config(cfg)
+    recipe = RecipeData(cfg.data, cfg.target, cfg.target_dtype, cfg.cache_dir)
+    features(args, recipe, lambda target_config: family.feature_names(dcfg, target_config))

@@ -1,5 +1,7 @@
 """Typed configs: dataclass defaults < recipe YAML < `key=value` command-line overrides
-(the parsing itself is draftsmith/util/parse.py; unknown keys are errors naming the closest valid one)."""
+(the parsing itself is draftsmith/util/parse.py; unknown keys are errors naming the closest valid one).
+The sections of other rooms are theirs: `data:` is data/config.py DataConfig, `eval:` eval/config.py
+EvalConfig."""
 
 from __future__ import annotations
 
@@ -8,104 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
-from draftsmith.data.load import TURNS, thinking_switch
+from draftsmith.data.config import DataConfig
+from draftsmith.data.load import thinking_switch
 from draftsmith.engine.drafts import parse_tree
 from draftsmith.eval.config import EvalConfig
-from draftsmith.models.registry import DEFAULT_DRAFTER, drafter_module
-from draftsmith.target.load import resolve_target
+from draftsmith.models.registry import DEFAULT_DRAFTER, drafter_family
 from draftsmith.util import precision
 from draftsmith.util.parse import _merge, from_dict, parse_overrides, read_yaml
-
-
-@dataclass
-class DataConfig:
-    train: str = "builtin:code"
-    """Training data: a jsonl/json/parquet path, a `datasets` name, or `builtin:code` / `builtin:prose`;
-    several joined by `+` (`builtin:prose+chat.jsonl`) train on their records in that order."""
-    holdout: str = "builtin:code-holdout"
-    """Domain holdout used by the eval stage (prompts only are used)."""
-    split: str = "train"
-    """Split of a `datasets` hub dataset or parquet/json folder to train on (e.g. ultrachat_200k's `train_sft`)."""
-    holdout_split: str = ""
-    """Split of the holdout (e.g. `test_sft`); empty = `split`."""
-    malformed: str = "skip"
-    """A record that is not a valid conversation: `skip` it (counted, the first reasons printed with
-    file:line) or `error` (stop at the first)."""
-    regenerate: bool = False
-    """Replace responses with the target's own answers before training (self-distillation)."""
-    thinking: str = ""
-    """The chat template's thinking mode while the target answers and training renders chats: `on`,
-    `off` (Qwen3-style `enable_thinking`), or empty for the template's default. A record's own
-    `enable_thinking` (or `chat_template_kwargs`) wins. The eval stage uses the same unless
-    `eval.thinking` says otherwise."""
-    turns: str = "all"
-    """Which assistant turns of a conversation the target answers when regenerating: `all` (turn by
-    turn, each prompt holding its own earlier answers; every answer trained) or `last`."""
-    regenerate_max_new_tokens: int = 128
-    regenerate_batch_size: int = 32
-    regenerate_engine: str = "hf"
-    """`hf`: the target answers in the training process, caching features in the same pass; `vllm`:
-    through a vLLM server (exact token ids; features then take one target pass over the answers)."""
-    regenerate_server: str = ""
-    """`vllm` engine: URL of a running server of the target (empty: start one from .venv-vllm)."""
-    regenerate_temperature: float = 0.0
-    """`vllm` engine: sampling temperature (0 = greedy); top_p below."""
-    regenerate_top_p: float = 1.0
-    regenerate_concurrency: int = 32
-    """`vllm` engine: requests in flight (vLLM batches them continuously)."""
-    regenerate_vllm_args: list[str] = field(default_factory=list)
-    """`vllm` engine: extra `vllm serve` flags, passed unchanged, e.g. [--tensor-parallel-size, "8"]."""
-    max_length: int = 256
-    """Tokens per example after the chat template; longer examples are truncated."""
-    max_examples: int = 0
-    """Keep at most this many training examples (0 = all)."""
-    group_by_length: bool = True
-    """Batch examples of similar length together to waste less compute on padding."""
-    offline_features: str = ""
-    """Folder written by `draftsmith data features`; `auto` = build it once in the cache dir and reuse
-    it (one target pass over the data, then every epoch is drafter-only); empty = online features."""
-    features_engine: str = "hf"
-    """Who computes the offline feature cache: `hf` (the target in the training process) or `vllm`
-    (vLLM's extract_hidden_states method over the same tokens, docs/vllm-features.md; one engine on
-    the main rank, with `features_vllm_args`), for targets no trainer GPU holds."""
-    features_vllm_args: list[str] = field(default_factory=list)
-    """`features_engine: vllm`: extra vLLM engine flags, passed unchanged, e.g. [--tensor-parallel-size, "8"]."""
-    num_proc: int = 1
-
-    def __post_init__(self):
-        if self.malformed not in ("skip", "error"):
-            raise DraftsmithError(f"data.malformed: expected skip or error, got {self.malformed!r}")
-        self.thinking = thinking_switch(self.thinking, "data.thinking")
-        if self.turns not in TURNS:
-            raise DraftsmithError(f"data.turns: expected all or last, got {self.turns!r}")
-        if self.features_engine not in ("hf", "vllm"):
-            raise DraftsmithError(f"data.features_engine: expected hf or vllm, got {self.features_engine!r}")
-        if self.features_engine == "hf" and self.features_vllm_args:
-            raise DraftsmithError("data.features_vllm_args: these go to vLLM; set data.features_engine: vllm")
-        if self.regenerate_engine not in ("hf", "vllm"):
-            raise DraftsmithError(f"data.regenerate_engine: expected hf or vllm, got {self.regenerate_engine!r}")
-        if self.regenerate_engine == "hf" and (
-            self.regenerate_server or self.regenerate_temperature or self.regenerate_vllm_args
-        ):
-            raise DraftsmithError(
-                "data.regenerate_server / regenerate_temperature / regenerate_vllm_args: "
-                "these go to vLLM; set data.regenerate_engine: vllm"
-            )
-
-    def vllm_options(self, target: str, dtype: str, cache_dir: str = "") -> dict | None:
-        """`regenerate_vllm`'s keyword arguments for `regenerate_engine: vllm` (None for hf)."""
-        if self.regenerate_engine != "vllm":
-            return None
-
-        return {
-            "target": str(resolve_target(target, cache_dir)),
-            "server": self.regenerate_server or None,
-            "temperature": self.regenerate_temperature,
-            "top_p": self.regenerate_top_p,
-            "concurrency": self.regenerate_concurrency,
-            "dtype": dtype,
-            "extra": tuple(str(a) for a in self.regenerate_vllm_args),
-        }
 
 
 @dataclass
@@ -187,19 +98,19 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
     where = str(recipe) if recipe else "config"
     cfg = from_dict(Config, raw, where)
     drafter = dict(cfg.drafter)
-    module = drafter_module(drafter.pop("type", _default_drafter()), f"{where}: drafter.type")
+    family = drafter_family(drafter.pop("type", _default_drafter()), f"{where}: drafter.type")
     # Validate now so a typo fails before any model is loaded; keep the dict form in Config.
-    dcfg = from_dict(module.DrafterConfig, drafter, f"{where}: drafter")
-    cfg.drafter = {"type": module.NAME, **drafter}
+    dcfg = from_dict(family.DrafterConfig, drafter, f"{where}: drafter")
+    cfg.drafter = {"type": family.NAME, **drafter}
     # The eval renders its prompts as training did, unless told otherwise.
     cfg.eval.thinking = thinking_switch(cfg.eval.thinking, f"{where}: eval.thinking") or cfg.data.thinking
     _validate(cfg, where)
-    limit = module.max_draft_depth(dcfg)
+    limit = family.max_draft_depth(dcfg)
     depth = parse_tree(cfg.eval.tree, f"{where}: eval.tree").depth if cfg.eval.tree else cfg.eval.k
     if limit is not None and cfg.eval.enabled and depth > limit:
         raise DraftsmithError(
             f"{where}: {'eval.tree' if cfg.eval.tree else 'eval.k'} drafts {depth} deep, but a "
-            f"{module.NAME} drafter with this config drafts at most {limit} tokens per round"
+            f"{family.NAME} drafter with this config drafts at most {limit} tokens per round"
         )
     return cfg
 
@@ -207,8 +118,8 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
 def drafter_config(cfg: Config) -> Any:
 
     d = dict(cfg.drafter)
-    module = drafter_module(d.pop("type"), "drafter.type")
-    return from_dict(module.DrafterConfig, d, "drafter")
+    family = drafter_family(d.pop("type"), "drafter.type")
+    return from_dict(family.DrafterConfig, d, "drafter")
 
 
 def _validate(cfg: Config, where: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -27,7 +28,7 @@ def make_accelerator(cfg: Config) -> Accelerator:
     # How long a rank may wait in one collective before the run fails (torch's default is 10 min for
     # NCCL, 30 for gloo): the recipe's, since long phases never sit inside one (data/sharding.py).
     timeout = timedelta(minutes=cfg.dist_timeout_minutes)
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         mixed_precision=ACCELERATE[cfg.optim.mixed_precision],
         project_dir=str(cfg.run_dir),
         log_with=None if cfg.tracker == "none" else cfg.tracker,

@@ -9,16 +9,13 @@ and under DeepSpeed ZeRO-2/3 alike (the DeepSpeed and FSDP specifics are in trai
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import resource
-import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable
 
 import torch
@@ -34,19 +31,19 @@ from transformers import (
 )
 
 from draftsmith import DraftsmithError
-from draftsmith.data.batching import build_dataset, collate, epoch_batches
-from draftsmith.data.features import FeatureCache, write_cache, write_cache_vllm
-from draftsmith.data.load import thinking_kwargs
-from draftsmith.data.regenerate import cached_regeneration, regeneration_counts, regeneration_path, sampling_of
+from draftsmith.data.batching import collate, epoch_batches
+from draftsmith.data.features import FeatureCache
+from draftsmith.data.pipeline import training_data
 from draftsmith.data.sharding import Shard
 
 # Imported with the loop, not at the eval stage: the eval runs the code the training run started with.
 from draftsmith.eval.report import format_table, require_rule_exact, write_before_after
 from draftsmith.eval.run import evaluate_drafter
-from draftsmith.models.registry import drafter_module, load_drafter, target_to_load_on
-from draftsmith.ship.export import init_weights, read_config
+from draftsmith.models.family import Family
+from draftsmith.models.readers import init_weights, read_config
+from draftsmith.models.registry import drafter_family, load_drafter, target_to_load_on
 from draftsmith.target.features import target_features
-from draftsmith.target.load import cache_root, fingerprint, load_target, resolve_target
+from draftsmith.target.load import fingerprint, load_target
 from draftsmith.train import checkpoint
 from draftsmith.train.config import Config, drafter_config, resolve_precision
 from draftsmith.train.distributed import (
@@ -63,7 +60,7 @@ from draftsmith.train.distributed import (
 from draftsmith.util.parse import save_yaml, to_dict
 from draftsmith.util.precision import describe, hardware
 
-SCHEDULES = {
+SCHEDULES: dict[str, Callable[..., LambdaLR]] = {
     "cosine": get_cosine_schedule_with_warmup,
     "linear": get_linear_schedule_with_warmup,
     "constant": get_constant_schedule_with_warmup,
@@ -105,7 +102,7 @@ class Run:
 
     cfg: Config
     accelerator: Accelerator
-    module: ModuleType  # the drafter family (models/registry.py)
+    family: Family  # the drafter family's record (models/registry.py)
     dcfg: Any  # its config
     zero: int  # 0 = DDP (or one process), else DeepSpeed's ZeRO stage
     fsdp: bool
@@ -114,7 +111,7 @@ class Run:
     tok: Any = None
     fp: str = ""  # the target's fingerprint
     ds: Any = None
-    features: Callable = None  # batch -> the target tensors the family trains on
+    features: Callable[[dict], dict] = lambda batch: {}  # batch -> the target tensors the family trains on
     drafter: Any = None
     init_state: dict | None = None  # the init_from weights, kept to evaluate them "before"
     optimizer: Any = None
@@ -164,7 +161,7 @@ def train(cfg: Config) -> Path:
     if run.cfg.eval.enabled:
         with phase(run, "eval"):
             eval_stage(
-                run.cfg, run.accelerator, run.module, run.dcfg, run.drafter, run.target, run.tok, final, run.init_state
+                run.cfg, run.accelerator, run.family, run.dcfg, run.drafter, run.target, run.tok, final, run.init_state
             )
     (run.cfg.run_dir / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in run.phases.items()}, indent=1))
     run.accelerator.print("wall time: " + " | ".join(f"{k} {v / 60:.1f} min" for k, v in run.phases.items()))
@@ -191,7 +188,7 @@ def start(cfg: Config) -> Run:
     run = Run(
         cfg,
         accelerator,
-        drafter_module(cfg.drafter["type"]),
+        drafter_family(cfg.drafter["type"]),
         drafter_config(cfg),
         zero=checkpoint.zero_stage(accelerator),
         fsdp=accelerator.distributed_type == DistributedType.FSDP,
@@ -209,7 +206,7 @@ def start(cfg: Config) -> Run:
 
 def load_target_and_data(run: Run) -> None:
     """The frozen target on every rank, then the training set and its features (online or cached)."""
-    cfg, accelerator, module = run.cfg, run.accelerator, run.module
+    cfg, accelerator, family = run.cfg, run.accelerator, run.family
     # Every rank loads the target (a file lock guards the embedded target's one-time dequantization).
     # Under ZeRO-3 and FSDP it is loaded whole into CPU RAM and sharded onto the devices after the
     # drafter is prepared: a 70B target does not fit one GPU. It runs on the GPU until then
@@ -224,14 +221,24 @@ def load_target_and_data(run: Run) -> None:
     run.target, run.tok, run.fp = target, tok, fingerprint(target)
     # The exact config this run builds, trains and saves: the target's defaults made explicit, and
     # with init_from the fields of the drafter it starts from (an EAGLE-3 head's aux layers).
-    run.dcfg = module.resolve(run.dcfg, target.config, read_config(cfg.init_from) if cfg.init_from else None)
+    run.dcfg = family.resolve(run.dcfg, target.config, read_config(cfg.init_from) if cfg.init_from else None)
     # The target tensors this family trains on; none for families that compute them with gradients
     # from a backbone they train (Medusa-2).
-    names = module.feature_names(run.dcfg, target.config)
+    names = family.feature_names(run.dcfg, target.config)
     # Regeneration and feature caching are split over the ranks (data/sharding.py): no rank waits in
     # a collective while another works alone.
     run.ds, cache = training_data(
-        cfg, target, tok, run.fp, names, Shard(run.rank, run.world, accelerator.wait_for_everyone)
+        cfg.data,
+        target,
+        tok,
+        run.fp,
+        names,
+        Shard(run.rank, run.world, accelerator.wait_for_everyone),
+        target_name=cfg.target,
+        target_dtype=cfg.target_dtype,
+        cache_dir=cfg.cache_dir,
+        run_dir=cfg.run_dir,
+        eval_sampling=(cfg.eval.temperature, cfg.eval.top_p),
     )
     if cache:
         run.features = FeatureCache(cache, names, run.fp)
@@ -242,19 +249,19 @@ def load_target_and_data(run: Run) -> None:
 def build_drafter_and_optimizer(run: Run) -> None:
     """The family's drafter (from `init_from` when fine-tuning), AdamW over its param groups, and the
     schedule over the run's optimizer steps."""
-    cfg, accelerator, module = run.cfg, run.accelerator, run.module
+    cfg, accelerator, family = run.cfg, run.accelerator, run.family
     # A family that trains the target (Medusa-2) wraps it here: adapters injected, or a trainable copy.
     # The same initial drafter on every rank: DDP and DeepSpeed broadcast rank 0's, but FSDP2 keeps
     # each rank's own slice of what it built. Then back to per-rank streams (feature noise).
     set_seed(cfg.optim.seed)
     with whole_weights(accelerator):
-        run.drafter = module.build(run.dcfg, run.target, run.ds).to(accelerator.device)
+        run.drafter = family.build(run.dcfg, run.target, run.ds).to(accelerator.device)
         if cfg.init_from:  # domain fine-tuning: start from a trained drafter; kept to evaluate it "before"
-            init_weights(run.drafter, module.NAME, cfg.init_from, run.target, allow_stale=cfg.init_from_stale)
+            init_weights(run.drafter, family.NAME, cfg.init_from, run.target, allow_stale=cfg.init_from_stale)
             run.init_state = {k: v.detach().clone() for k, v in run.drafter.state_dict().items()}
             accelerator.print(f"initialised from {cfg.init_from}")
     set_seed(cfg.optim.seed + run.rank)
-    groups = module.param_groups(run.drafter, run.dcfg, cfg.optim.lr)  # e.g. heads and backbone at their own lrs
+    groups = family.param_groups(run.drafter, run.dcfg, cfg.optim.lr)  # e.g. heads and backbone at their own lrs
     run.optimizer = torch.optim.AdamW(
         groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
     )
@@ -298,7 +305,7 @@ def resume(run: Run) -> None:
         accelerator.init_trackers(cfg.run, config=_flat(to_dict(cfg)))
     n_params = sum(p.numel() for p in run.drafter.parameters() if p.requires_grad)
     accelerator.print(
-        f"drafter {run.module.NAME}: {n_params / 1e6:.2f}M trainable params | {len(run.ds)} examples | "
+        f"drafter {run.family.NAME}: {n_params / 1e6:.2f}M trainable params | {len(run.ds)} examples | "
         f"{run.total} steps | {run.world} process(es) | target fingerprint {run.fp}"
     )
     groups = run.optimizer.param_groups
@@ -315,10 +322,10 @@ def resume(run: Run) -> None:
 def train_steps(run: Run) -> None:
     """The loop: micro-batches of this rank's slice, the loss normalised by the global token count,
     an optimizer step every grad_accum micro-batches, logs and checkpoints."""
-    cfg, accelerator, module, drafter, optimizer, scheduler = (
+    cfg, accelerator, family, drafter, optimizer, scheduler = (
         run.cfg,
         run.accelerator,
-        run.module,
+        run.family,
         run.drafter,
         run.optimizer,
         run.scheduler,
@@ -328,14 +335,15 @@ def train_steps(run: Run) -> None:
     # their forward: the wrapper's forward is what syncs gradients and gathers ZeRO-3 shards.
     core = accelerator.unwrap_model(drafter)
     bar = tqdm(total=total, initial=run.step, disable=not accelerator.is_local_main_process, desc="train")
-    sums, t0, micro, t_start = {}, time.perf_counter(), 0, time.perf_counter()
+    sums: dict[str, float] = {}
+    t0, micro, t_start = time.perf_counter(), 0, time.perf_counter()
     last_good = checkpoint.list_steps(cfg.run_dir)[-1:] if accelerator.is_main_process else []
     while run.step < total:
         for run.pos, rows in micro_batches(run.ds, cfg, world, run.rank, run.epoch, run.pos):
             batch = {k: v.to(accelerator.device) for k, v in collate(rows, run.tok.pad_token_id).items()}
             sync = (micro + 1) % cfg.optim.grad_accum == 0
             with autocast(accelerator, cfg, zero), accelerator.no_sync(drafter) if not sync else nullcontext():
-                loss_sum, n_tok, metrics = module.compute_loss(
+                loss_sum, n_tok, metrics = family.compute_loss(
                     core, run.target, batch, run.features(batch), run.dcfg, step=run.step, forward=drafter
                 )
                 # Normalise by the global token count of this micro-batch (all ranks): DDP averages
@@ -390,8 +398,8 @@ def save(run: Run) -> Path:
     final = cfg.run_dir / "final"
     # The family's config with every default resolved (build may fill some in from the target).
     meta = {
-        "drafter": run.module.NAME,
-        "drafter_config": {"type": run.module.NAME, **asdict(run.dcfg)},
+        "drafter": run.family.NAME,
+        "drafter_config": {"type": run.family.NAME, **asdict(run.dcfg)},
         "target": cfg.target,
         "target_fingerprint": run.fp,
         "steps": run.step,
@@ -406,7 +414,7 @@ def save(run: Run) -> Path:
     return final
 
 
-def eval_stage(cfg: Config, accelerator, module, dcfg, drafter, target, tok, final: Path, init_state) -> dict:
+def eval_stage(cfg: Config, accelerator, family: Family, dcfg, drafter, target, tok, final: Path, init_state) -> dict:
     """The run's eval on its domain holdout (rank 0 alone), written to RUN/eval/; after a fine-tune
     (`init_state`: the init's weights) also before/after on the domain and the general holdout."""
     zero, fsdp = checkpoint.zero_stage(accelerator), accelerator.distributed_type == DistributedType.FSDP
@@ -424,121 +432,23 @@ def eval_stage(cfg: Config, accelerator, module, dcfg, drafter, target, tok, fin
     # The eval stage's settings are the recipe's `eval:` section (eval/config.py EvalConfig).
     options = dict(target_name=cfg.target, split=cfg.data.holdout_split or cfg.data.split)
     report = evaluate_drafter(
-        module, drafter, dcfg, target, tok, cfg.data.holdout, cfg.run_dir / "eval", cfg.eval, **options
+        family, drafter, dcfg, target, tok, cfg.data.holdout, cfg.run_dir / "eval", cfg.eval, **options
     )
     accelerator.print(format_table([report]))
     if init_state is not None:  # fine-tuned: the init's τ and ours, on the domain and the general holdout
         holdouts = [cfg.data.holdout] + [h for h in [cfg.eval.general_holdout] if h and h != cfg.data.holdout]
         rows = [("after", report)] + [
-            ("after", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, cfg.eval, **options))
+            ("after", evaluate_drafter(family, drafter, dcfg, target, tok, h, None, cfg.eval, **options))
             for h in holdouts[1:]
         ]
         drafter.load_state_dict(init_state)
         rows += [
-            ("before", evaluate_drafter(module, drafter, dcfg, target, tok, h, None, cfg.eval, **options))
+            ("before", evaluate_drafter(family, drafter, dcfg, target, tok, h, None, cfg.eval, **options))
             for h in holdouts
         ]
         accelerator.print(write_before_after(rows, cfg.run_dir / "eval"))
     require_rule_exact(report, str(cfg.run_dir / "eval"))  # after everything is written: the evidence stays
     return report
-
-
-def training_data(cfg: Config, target, tok, fp: str, names: tuple[str, ...], shard: Shard):
-    """The tokenized training set and its feature cache folder (or None: features computed online).
-
-    `data.regenerate`: the target answers the prompts first (self-distillation); with offline
-    features the same pass caches them. Each rank answers and caches its share (`shard`); answers
-    from a vLLM server are fetched by rank 0 alone, while the others wait for the file, not in a
-    collective. Every rank then tokenizes the same records itself (in memory, seconds)."""
-    train_data, cache = cfg.data.train, cfg.data.offline_features
-    chat = thinking_kwargs(cfg.data.thinking)
-    if cfg.data.regenerate:
-        vllm = cfg.data.vllm_options(cfg.target, cfg.target_dtype, cfg.cache_dir)
-        args = (
-            target,
-            tok,
-            cfg.data.train,
-            fp,
-            cache_root(cfg.cache_dir),
-            cfg.data.max_examples,
-            cfg.data.regenerate_max_new_tokens,
-            cfg.data.regenerate_batch_size,
-            names if cache == "auto" and cfg.data.features_engine == "hf" else (),  # vllm: its own pass below
-        )
-        which = dict(split=cfg.data.split, malformed=cfg.data.malformed, turns=cfg.data.turns, chat=chat)
-        if vllm and not shard.main:
-            out, regen_cache = regeneration_path(*args, vllm=vllm, **which), None
-            shard.wait_for(out)
-        else:
-            out, regen_cache = cached_regeneration(*args, vllm=vllm, shard=Shard() if vllm else shard, **which)
-        train_data, cache = str(out), regen_cache or cache
-    drawn = sampling_of(
-        train_data
-    )  # SpecForge#465: answers drawn unlike the eval's decoding train another distribution
-    if shard.main and drawn and (drawn["temperature"], drawn["top_p"]) != (cfg.eval.temperature, cfg.eval.top_p):
-        print(
-            f"warning: {train_data}: the target's answers were drawn at temperature {drawn['temperature']}, "
-            f"top-p {drawn['top_p']}, but the eval decodes at eval.temperature {cfg.eval.temperature}, "
-            f"eval.top_p {cfg.eval.top_p}: the drafter learns another distribution than the one it is measured on",
-            file=sys.stderr,
-        )
-    # Regenerated records are one file: its split is the only one.
-    split = "train" if cfg.data.regenerate else cfg.data.split
-    stats = {}  # the data step's accounting, recorded in RUN/data.json
-    if cfg.data.regenerate:
-        stats["regenerated"] = regeneration_counts(Path(train_data))
-        if shard.main:
-            c = stats["regenerated"]
-            print(
-                f"regenerated: {c['conversations']} conversations, {c['answers']} answers of the target "
-                f"({c['answer_tokens']:,} tokens) in {c['lines']} records ({train_data})",
-                file=sys.stderr,
-            )
-    ds = build_dataset(
-        train_data,
-        tok,
-        cfg.data.max_length,
-        cfg.data.max_examples,
-        cfg.data.num_proc,
-        split,
-        cfg.data.malformed,
-        chat,
-        stats.setdefault("dataset", {}),
-    )
-    if shard.main:
-        (cfg.run_dir / "data.json").write_text(json.dumps(stats, indent=1))
-    if not names:
-        return ds, None
-    if cfg.data.features_engine == "vllm" and not cache:
-        raise DraftsmithError(
-            "data.features_engine: vllm writes the offline feature cache; set data.offline_features: auto"
-        )
-    if cache == "auto":  # computed once per (target, data, length), reused by every epoch and run
-        dtype = str(next(target.parameters()).dtype)
-        key = json.dumps(
-            [fp, train_data, cfg.data.max_length, cfg.data.max_examples, list(names), dtype]
-            + ([split] if split != "train" else [])
-            + ([chat] if chat else [])  # another rendering of the chats: other tokens
-            + (["vllm"] if cfg.data.features_engine == "vllm" else [])  # equal within rounding, not bit for bit
-        )
-        cache = cache_root(cfg.cache_dir) / "features" / hashlib.sha256(key.encode()).hexdigest()[:16]
-        if not (cache / "index.json").is_file():
-            # hf: every rank computes its share; vLLM: one engine, on the main rank, with the GPUs its
-            # flags give it, while the others wait for its index file (no process-group timeout).
-            if cfg.data.features_engine == "hf" or shard.main:
-                write_features(cfg, target, tok, ds, names, cache, fp, shard=shard)
-            else:
-                shard.wait_for(cache / "index.json")
-    return ds, cache or None
-
-
-def write_features(cfg: Config, target, tok, ds, names, out: Path, fp: str, batch_size: int = 8, shard=Shard()) -> Path:
-    """The offline feature cache of `ds` at `out`, through the engine `data.features_engine` names:
-    the in-process target (hf, sharded over the ranks of a launch) or a vLLM server (one process)."""
-    if cfg.data.features_engine == "vllm":
-        path = resolve_target(cfg.target, cfg.cache_dir)
-        return write_cache_vllm(path, target, ds, names, out, fp, extra=tuple(cfg.data.features_vllm_args))
-    return write_cache(target, ds, names, out, fp, tok.pad_token_id, batch_size, shard=shard)
 
 
 def _summarise(sums: dict, seconds: float, lr: float) -> dict:

@@ -21,14 +21,14 @@ from transformers import AutoModelForCausalLM
 
 from draftsmith import DraftsmithError
 from draftsmith.models.known import model_config
-from draftsmith.models.registry import drafter_module
+from draftsmith.models.registry import drafter_family
 from draftsmith.train.config import Config, drafter_config
 from draftsmith.util import precision
 
 # Which of (target weights, drafter weights, gradients, optimizer state) each preset shards over the
 # ranks, and which it moves to CPU RAM. ZeRO-3 shards the frozen target too (train/distributed.py
 # `shard_target`, an optimizer-less DeepSpeed engine), and so does FSDP (`fsdp_shard_target`, FSDP2).
-PRESETS = {
+PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     "single-gpu": {"shard": (), "offload": ()},
     "multi-gpu": {"shard": (), "offload": ()},
     "multi-node": {"shard": (), "offload": ()},
@@ -62,11 +62,11 @@ class Sizes:
 
 
 def sizes(cfg: Config, tc) -> Sizes:
-    module = drafter_module(cfg.drafter["type"])
-    dcfg = module.resolve(drafter_config(cfg), tc)  # the target's defaults, as a run resolves them
+    family = drafter_family(cfg.drafter["type"])
+    dcfg = family.resolve(drafter_config(cfg), tc)  # the target's defaults, as a run resolves them
     with torch.device("meta"):
         target = AutoModelForCausalLM.from_config(tc).requires_grad_(False)
-        drafter = module.build(dcfg, target)  # on the meta device: from configs alone
+        drafter = family.build(dcfg, target)  # on the meta device: from configs alone
     target_ids = {id(p) for p in target.parameters()}
     own = [p for p in drafter.parameters() if id(p) not in target_ids]
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
@@ -76,11 +76,11 @@ def sizes(cfg: Config, tc) -> Sizes:
     # Activations in the autocast dtype (`auto` is bf16 on the GPUs this plans for); every loss casts
     # its logits to fp32.
     e = 4 if precision.canonical(cfg.optim.mixed_precision, "optim.mixed_precision") == "float32" else 2
-    names = module.feature_names(dcfg, tc)
+    names = family.feature_names(dcfg, tc)
     feat_dims = sum(int(x.split(".")[1]) * 2 + 1 if x.startswith("logits_topk.") else tc.hidden_size for x in names)
     # What is live at the step's peak: the [n, vocab] fp32 buffers of the family's loss (counted in its
     # compute_loss; benchmarks/memory.py measures them) plus the activations of the layers it trains.
-    act = module.activation_bytes(dcfg, tc, drafter, B, T, e)
+    act = family.activation_bytes(dcfg, tc, drafter, B, T, e)
     act += n * b_t * feat_dims  # the target's features the family reads (online or from the cache)
     return Sizes(
         sum(p.numel() for p in target.parameters()), sum(p.numel() for p in own), trainable, act, feat_dims * b_t

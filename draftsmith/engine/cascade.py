@@ -86,7 +86,7 @@ class CascadeProposer(Proposer):
         """tokens [1, T]: every target-verified token (the newest not yet in the target's cache).
         The sampler is not used: the mid decodes greedily, so the draft is deterministic (q = one-hot)."""
         ids, device = tokens[0].tolist(), tokens.device
-        pending, out = resync(self, ids), []  # the mid's cache on the verified tokens
+        pending, out = resync(self, ids), list[int]()  # the mid's cache on the verified tokens
         self.counts["rounds"] += 1
         self.counts["mid_synced"] += len(pending)
         while len(out) < k:

@@ -66,7 +66,7 @@ def _at(run: Run | None, position: int) -> int | None:
 def trie_draft(seqs: list[list[int]]) -> tuple[Draft, dict[tuple[int, ...], int]]:
     """Token sequences (each a path under the root) -> one Draft where a shared prefix is one node,
     and the node index of every prefix (() -> -1, the root). Nodes come in insertion order."""
-    draft, node = Draft(), {(): -1}
+    draft, node = Draft(), dict[tuple[int, ...], int]({(): -1})
     for seq in seqs:
         for d in range(1, len(seq) + 1):
             if tuple(seq[:d]) not in node:
@@ -201,8 +201,8 @@ class LookaheadProposer(Proposer):
         first = self.windows[0]
         for p in range(first[0], first[0] + len(first[1])):
             gram = [_at(w, p + j) for j, w in enumerate(self.windows)] + [_at(self.output, p + self.ngram - 1)]
-            if None not in gram:
-                self._remember(gram)
+            if all(t is not None for t in gram):
+                self._remember([t for t in gram if t is not None])
 
 
 class HybridProposer(Proposer):

@@ -141,7 +141,7 @@ class FeatureProposer(Proposer):
             causal_mask(t, n_feats, device=device),
             self.cache,
         )
-        self.n_real, self.fed, self.outs = n_feats, [], {-1: out[:, -1:]}
+        self.n_real, self.fed, self.outs = n_feats, list[int](), {-1: out[:, -1:]}
         return self.logits(out[:, -1:])[0, 0]
 
     def expand(self, draft, nodes: list[int]) -> torch.Tensor:

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from draftsmith import DraftsmithError
-from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.engine.proposers import StudentProposer
 from draftsmith.engine.speculative import Stats, speculative_decode, target_decode
 from draftsmith.target.load import eos_ids, fingerprint
@@ -121,10 +120,18 @@ def replay_tau(agree: list[bool], k: int) -> tuple[int, int]:
 
 
 def calibrate(
-    target, tok, holdout: str, k: int = 4, num_prompts: int = 4, max_new_tokens: int = 32, budget: int = 300, log=print
+    target,
+    tok,
+    prompts: list[list[int]],
+    holdout: str,
+    k: int = 4,
+    max_new_tokens: int = 32,
+    budget: int = 300,
+    log=print,
 ) -> dict:
-    """Layer search (see the module docstring) -> {"skip", "tau", "cost_fraction", "estimated_speedup", "evaluations"}."""
-    prompts = [encode_prompt(tok, p) for p in load_prompts(holdout, num_prompts)]
+    """Layer search (see the module docstring) -> {"skip", "tau", "cost_fraction", "estimated_speedup", "evaluations"}.
+    `prompts`: the holdout's prompts as token ids (the caller reads and renders them: data/load.py
+    load_prompts, encode_prompt); `holdout`: its name, recorded with the choice."""
     n_layers, eos = target.config.num_hidden_layers, eos_ids(target, tok)
     # The first emitted token comes from the prefill, not from a verification pass: rounds start after it.
     answers = [target_decode(target, p, max_new_tokens, eos) for p in prompts]

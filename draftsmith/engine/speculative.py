@@ -68,7 +68,9 @@ class Stats:
     def record_confidence(self, confidence: list[float] | None, n_verified: int, n_accepted: int) -> None:
         """Draft j was reached (drafts < j accepted) iff j <= n_accepted; its outcome is j < n_accepted.
         Positions after the first rejection say nothing about c_j, which is conditional on reaching j."""
-        for j in range(min(n_accepted + 1, n_verified) if confidence is not None else 0):
+        if confidence is None:
+            return
+        for j in range(min(n_accepted + 1, n_verified)):
             self.confidence_outcomes.append((float(confidence[j]), int(j < n_accepted)))
 
     @property

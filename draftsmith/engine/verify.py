@@ -37,7 +37,7 @@ def verify_tree_greedy(draft: Draft, logits: torch.Tensor) -> tuple[list[int], l
     Walk from the root while some child equals the target's argmax -> (accepted node path, emitted
     tokens = the path's tokens + the target's own next token). Identical to target-only greedy."""
     preds = logits.argmax(-1).tolist()
-    node, path = -1, []
+    node, path = -1, list[int]()
     while True:
         want = preds[node + 1]
         match = [c for c in draft.children(node) if draft.tokens[c] == want]
@@ -75,7 +75,7 @@ def verify_tree_sampled(draft: Draft, logits: torch.Tensor, sampler) -> tuple[li
     Sampled children must be only children (chains): siblings sampled from one q would need
     without-replacement corrections that no proposer here needs."""
     p_all = sampler.probs(logits)
-    node, path = -1, []
+    node, path = -1, list[int]()
     while True:
         p = p_all[node + 1]
         for c in draft.children(node):

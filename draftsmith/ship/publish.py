@@ -21,8 +21,9 @@ from draftsmith.engine.proposers import Proposer
 from draftsmith.engine.speculative import Stats, speculative_decode
 from draftsmith.eval.report import _where, format_table
 from draftsmith.models.formats import logit_diff
-from draftsmith.models.registry import drafter_module, load_drafter, target_to_load_on
-from draftsmith.ship.export import export, import_export
+from draftsmith.models.readers import import_export
+from draftsmith.models.registry import drafter_family, load_drafter, target_to_load_on
+from draftsmith.ship.export import export
 from draftsmith.ship.serve_check import serve_check, summary
 from draftsmith.target import vllm_server
 from draftsmith.target.load import eos_ids, load_target, served_name
@@ -76,8 +77,8 @@ def verify_export(
     draftsmith's own drafter, on the same target. Every draft token must agree; the logits of every
     drafter pass are compared too (max |Δ| and argmax agreement)."""
     target = target_to_load_on(target, drafter_dir)
-    module, cfg, own = load_drafter(drafter_dir, target)
-    verifier = module.verifier(own, target)
+    family, cfg, own = load_drafter(drafter_dir, target)
+    verifier = family.verifier(own, target)
     params = drafting_params(own, verifier, target)
     if verifier is not target:  # Medusa-2: the export's heads draft for the exported backbone
         verifier, _ = load_target(
@@ -86,7 +87,7 @@ def verify_export(
     _, _, back = import_export(exported, verifier)
     eos, runs = eos_ids(target, tok), []
     for drafter in (own, back):
-        rec, stats = Recorder(module.make_proposer(drafter, verifier, cfg)), Stats(k=k)
+        rec, stats = Recorder(family.make_proposer(drafter, verifier, cfg)), Stats(k=k)
         for p in load_prompts(holdout, prompts):
             speculative_decode(verifier, rec, encode_prompt(tok, p), k, max_new_tokens, eos, None, stats)
         runs.append((rec.drafts, stats.tau, rec.logits))
@@ -117,8 +118,8 @@ def verify_export(
     )
     # The format's own consumer, where the family knows one to run (speculators for its format).
     # fp32 copy of our drafter: the comparison measures the two implementations, not the target's dtype
-    ours = module.make_proposer(copy.deepcopy(own).float(), verifier, cfg)
-    check = module.consumer_check(
+    ours = family.make_proposer(copy.deepcopy(own).float(), verifier, cfg)
+    check = family.consumer_check(
         exported, verifier, ours, [encode_prompt(tok, p) for p in load_prompts(holdout, prompts)]
     )
     if check is not None:
@@ -140,7 +141,7 @@ def model_card(
     family, target = meta["drafter"], served_name(meta["target"])
     served_target = (
         "the `backbone/` folder of this repo (the trained backbone)"
-        if drafter_module(family).trains_target(meta["drafter_config"])
+        if drafter_family(family).trains_target(meta["drafter_config"])
         else f"`{target}`"
     )
     # The Hub's metadata block, written by huggingface_hub (it validates and orders the keys).
@@ -189,7 +190,7 @@ def model_card(
                     *(["## In vLLM", "", _served_words(served), ""] if served else []),
                     "## Serving",
                     "",
-                    drafter_module(family).serving_snippet(
+                    drafter_family(family).serving_snippet(
                         fmt,
                         repo_id,
                         target if "backbone/" not in served_target else f"$(hf download {repo_id})/backbone",
@@ -265,8 +266,8 @@ def checked_inputs(drafter_dir: Path, repo_id: str, fmt: str | None, force: bool
     except HFValidationError as e:
         raise DraftsmithError(f"--repo-id {repo_id}: not a valid Hub repo id ({str(e).splitlines()[0]})") from None
     meta = json.loads((drafter_dir / "config.json").read_text())
-    fmt = fmt or drafter_module(meta["drafter"]).SERVE_FORMAT  # the format vLLM serves the family from
-    formats = drafter_module(meta["drafter"]).EXPORTS
+    fmt = fmt or drafter_family(meta["drafter"]).SERVE_FORMAT  # the format vLLM serves the family from
+    formats = drafter_family(meta["drafter"]).EXPORTS
     if fmt not in formats:
         raise DraftsmithError(f"--format {fmt}: a {meta['drafter']} drafter exports to {', '.join(formats)}")
     # The training run's own eval stage (train/loop.py), never a standalone `draftsmith eval`, which

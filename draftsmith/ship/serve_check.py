@@ -2,7 +2,7 @@
 same drafter on the same prompts.
 
 vLLM serves the target alone, then the target with the drafter (the `--speculative-config` the
-family names: `module.vllm_serving`). Both get the holdout prompts as the token ids
+family names: `family.vllm_serving`). Both get the holdout prompts as the token ids
 draftsmith's eval uses, greedy. What is compared:
 
 - outputs: vLLM speculative vs vLLM target-only (lossless in the engine), and vLLM target-only vs
@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,8 +41,9 @@ from draftsmith.eval.drafters import Resolved
 from draftsmith.eval.report import _where, lossless_cell
 from draftsmith.eval.run import evaluate, target_baseline
 from draftsmith.models.folder import read_drafter_meta
-from draftsmith.models.registry import DRAFTERS, drafter_module, load_drafter, target_to_load_on
-from draftsmith.ship.export import export, import_export
+from draftsmith.models.readers import import_export
+from draftsmith.models.registry import DRAFTERS, drafter_family, load_drafter, target_to_load_on
+from draftsmith.ship.export import export
 from draftsmith.target import vllm_server
 from draftsmith.target.load import load_target, resolve_target
 
@@ -113,10 +115,10 @@ def prepare(path: Path, out: Path, target, tok, drafter: Path | None = None):
     `final/` is exported first, in the format its family serves with in vLLM, into OUT/export."""
     config = _read_config(path)
     if "draftsmith_format" in config:  # a trained drafter folder
-        module = drafter_module(config["drafter"], f"{path}/config.json: drafter")
-        if not module.SERVE_FORMAT:
-            raise DraftsmithError(f"{path}: vLLM serves no {module.NAME} export (it serves {vllm_families()})")
-        exported = export(path, target_to_load_on(target, path), module.SERVE_FORMAT, out / "export", tok)
+        family = drafter_family(config["drafter"], f"{path}/config.json: drafter")
+        if not family.SERVE_FORMAT:
+            raise DraftsmithError(f"{path}: vLLM serves no {family.NAME} export (it serves {vllm_families()})")
+        exported = export(path, target_to_load_on(target, path), family.SERVE_FORMAT, out / "export", tok)
         return exported, _read_config(exported), path
     if "draftsmith" not in config:
         raise DraftsmithError(f"{path}/config.json: not a draftsmith drafter or export (no 'draftsmith' section)")
@@ -140,18 +142,18 @@ def draftsmith_side(
     otherwise the export read back by draftsmith."""
     info = config["draftsmith"]
     if source is not None:
-        module, dcfg, drafter = load_drafter(source, target_to_load_on(target, source))
-        verifier = module.verifier(drafter, target)
+        family, dcfg, drafter = load_drafter(source, target_to_load_on(target, source))
+        verifier = family.verifier(drafter, target)
     else:
         verifier = (
             load_target(str(export_dir / info["backbone"]), _dtype(target))[0] if info.get("backbone") else target
         )
-        module, dcfg, drafter = import_export(export_dir, verifier)
-    proposer = module.make_proposer(drafter, verifier, dcfg)
+        family, dcfg, drafter = import_export(export_dir, verifier)
+    proposer = family.make_proposer(drafter, verifier, dcfg)
     cfg = EvalConfig(k=k, num_prompts=num_prompts, max_new_tokens=max_new_tokens)  # greedy, chains
     baseline = target_baseline(verifier, tok, data, cfg)
     report = evaluate(
-        Resolved(module.NAME, proposer, verifier, None),
+        Resolved(family.NAME, proposer, verifier, None),
         tok,
         data,
         None,
@@ -209,6 +211,27 @@ def vllm_acceptance(counters: dict) -> dict:
     }
 
 
+@dataclass
+class Served:
+    """What `decode_both` ran (the decode part of `serve_check`), before `serve_report` compares it:
+    the export as vLLM was asked to serve it, draftsmith's eval of the drafter, and vLLM's two runs."""
+
+    export_dir: Path
+    family: str  # the drafter family's NAME
+    speculative: dict  # the `--speculative-config` vLLM got
+    family_args: list[str]  # the vLLM flags the family's export needs
+    served: str  # the target (or trained backbone) vLLM served
+    prompts: list[list[int]]
+    k: int  # the chain K both engines drafted (vLLM's own count: Medusa drafts one token per head)
+    ours: dict  # draftsmith's eval report (`draftsmith_side`)
+    ours_ref: list[list[int]]  # draftsmith's target-only greedy outputs
+    plain: dict  # vLLM serving the target alone (`vllm_side`)
+    spec: dict | None = None  # vLLM serving the target with the drafter; None: it refused the export
+    refusal: str | None = None  # vLLM's error when it refused the export
+    exact: bool = True  # the target decoded in fp32, where outputs must be identical
+    divergences: list[dict] | None = None  # low precision: where vLLM's two outputs part (`divergences`)
+
+
 def serve_check(
     path: str | Path,
     data: str,
@@ -235,10 +258,58 @@ def serve_check(
     target, tok = load_target(target_name or served_target_name(path), dtype)
     out.mkdir(parents=True, exist_ok=True)
     export_dir, config, source = prepare(path, out, target, tok, Path(drafter) if drafter else None)
-    module = drafter_module(config["draftsmith"]["drafter"])
-    if not module.SERVE_FORMAT:
-        raise DraftsmithError(f"{export_dir}: vLLM serves no {module.NAME} export (it serves {vllm_families()})")
-    speculative, family_args = module.vllm_serving(export_dir.resolve(), config, k)
+    run = decode_both(
+        export_dir,
+        config,
+        source,
+        target,
+        tok,
+        data,
+        out,
+        num_prompts=num_prompts,
+        max_new_tokens=max_new_tokens,
+        k=k,
+        concurrency=concurrency,
+        dtype=dtype,
+        server=server,
+        target_server=target_server,
+        vllm_python=vllm_python,
+        port=port,
+        extra=extra,
+    )
+    result = serve_report(run, data, max_new_tokens, dtype, concurrency)
+    write(result, out)
+    return result
+
+
+def decode_both(
+    export_dir: Path,
+    config: dict,
+    source: Path | None,
+    target,
+    tok,
+    data: str,
+    out: Path,
+    *,
+    num_prompts: int,
+    max_new_tokens: int,
+    k: int,
+    concurrency: list[int],
+    dtype: str,
+    server: str | None,
+    target_server: str | None,
+    vllm_python: str | None,
+    port: int,
+    extra: tuple[str, ...],
+) -> Served:
+    """The decode part of `serve_check` (its arguments; `source`: the trained drafter folder or None,
+    from `prepare`): draftsmith's eval of the drafter, then vLLM serving the target alone and with
+    the drafter, on the same prompts. vLLM refusing the export is recorded, not raised: that is the
+    finding. In low precision, where vLLM's two outputs part is measured on the model it verified with."""
+    family = drafter_family(config["draftsmith"]["drafter"])
+    if not family.SERVE_FORMAT or family.vllm_serving is None:
+        raise DraftsmithError(f"{export_dir}: vLLM serves no {family.NAME} export (it serves {vllm_families()})")
+    speculative, family_args = family.vllm_serving(export_dir.resolve(), config, k)
     k = speculative["num_speculative_tokens"]  # e.g. Medusa: vLLM drafts one token per head
     info = config["draftsmith"]
     served = str((export_dir / info["backbone"]).resolve() if info.get("backbone") else resolve_target(info["target"]))
@@ -265,16 +336,35 @@ def serve_check(
     )
     plain = vllm_side(served, prompts, max_new_tokens, concurrency, url=target_server, **kw)
     kw["extra"] = (*family_args, *extra)  # what the family's export needs, then the user's flags
+    run = Served(export_dir, family.NAME, speculative, family_args, served, prompts, k, ours, ours_ref, plain)
+    try:
+        run.spec = vllm_side(served, prompts, max_new_tokens, concurrency, speculative, url=server, **kw)
+    except DraftsmithError as e:  # vLLM refused the export: that is the finding
+        run.refusal = str(e)
+        return run
+    run.exact = next(target.parameters()).dtype == torch.float32  # what `dtype` (`auto` too) resolved to
+    if not run.exact:  # where vLLM's speculative outputs part from its target-only ones, and at what gap
+        # on the model vLLM verified with (Medusa-2: the exported backbone, not the original target)
+        served_model = load_target(served, dtype)[0] if info.get("backbone") else target
+        run.divergences = divergences(served_model, prompts, run.spec["outputs"], plain["outputs"], tok.eos_token_id)
+    return run
+
+
+def serve_report(run: Served, data: str, max_new_tokens: int, dtype: str, concurrency: list[int]) -> dict:
+    """The report part of `serve_check`: what the check ran and draftsmith measured, then (when vLLM
+    loaded the export) vLLM's outputs compared with its target-only ones and draftsmith's, its
+    acceptance and speed, and the verdict (`failures`) -> the result serve_check.json holds."""
+    ours, plain, spec, n = run.ours, run.plain, run.spec, len(run.prompts)
     result = {
-        "export": str(export_dir),
-        "family": module.NAME,
-        "speculative_config": speculative,
-        "vllm_args": list(family_args),
-        "served_target": served,
+        "export": str(run.export_dir),
+        "family": run.family,
+        "speculative_config": run.speculative,
+        "vllm_args": list(run.family_args),
+        "served_target": run.served,
         "data": data,
-        "num_prompts": len(prompts),
+        "num_prompts": n,
         "max_new_tokens": max_new_tokens,
-        "k": k,
+        "k": run.k,
         "dtype": dtype,
         "vllm_version": plain["version"],
         "draftsmith_tau": ours["tau"],
@@ -285,14 +375,11 @@ def serve_check(
         "draftsmith_lossless_cell": lossless_cell(ours),
         "where": _where(ours),
     }
-    try:
-        spec = vllm_side(served, prompts, max_new_tokens, concurrency, speculative, url=server, **kw)
-    except DraftsmithError as e:  # vLLM refused the export: that is the finding
-        result.update(loaded=False, why=str(e), passed=False)
-        write(result, out)
+    if spec is None:  # vLLM refused the export: that is the finding
+        result.update(loaded=False, why=run.refusal, passed=False)
         return result
     same_engine = [a == b for a, b in zip(spec["outputs"], plain["outputs"])]
-    same_ref = [a == b for a, b in zip(plain["outputs"], ours_ref)]
+    same_ref = [a == b for a, b in zip(plain["outputs"], run.ours_ref)]
     result.update(
         loaded=True,
         identical_to_target_only=all(same_engine),
@@ -302,7 +389,7 @@ def serve_check(
         **vllm_acceptance(spec["counters"]),
     )
     result["tau_rel_diff"] = round(abs(result["vllm_tau"] - ours["tau"]) / ours["tau"], 4)
-    result["tau_tolerance"] = round(tau_tolerance(len(prompts), result["vllm_drafts"]), 4)
+    result["tau_tolerance"] = round(tau_tolerance(n, result["vllm_drafts"]), 4)
     result["concurrency"] = [
         {
             "concurrency": c,
@@ -314,19 +401,24 @@ def serve_check(
     ]
     result["draftsmith_speedup"] = ours["speedup"]
     result["draftsmith_batch_curve"] = ours.get("batch_curve")
-    exact = next(target.parameters()).dtype == torch.float32  # what `dtype` (`auto` too) resolved to
-    if not exact:  # where vLLM's speculative outputs part from its target-only ones, and at what gap
-        # on the model vLLM verified with (Medusa-2: the exported backbone, not the original target)
-        served_model = load_target(served, dtype)[0] if info.get("backbone") else target
-        result["divergences"] = divergences(served_model, prompts, spec["outputs"], plain["outputs"], tok.eos_token_id)
-    why = []
+    if run.divergences is not None:  # low precision only: fp32 checks identity itself
+        result["divergences"] = run.divergences
+    why = failures(result, ours, run.exact)
+    result.update(passed=not why, why="; ".join(why) or None)
+    return result
+
+
+def failures(result: dict, ours: dict, exact: bool) -> list[str]:
+    """Why the check fails, one clause per reason (none: it passed). fp32 asks identical outputs; in
+    low precision vLLM's outputs may part only at near-ties; τ must agree within `tau_tolerance`."""
+    n, why = result["num_prompts"], []
     if ours["rule_exact"] is False:
         why.append("draftsmith's greedy rounds broke the verification rule (rule_exact false)")
     far = [d for d in result.get("divergences", []) if not d["near_tie"]]
     if exact and not result["identical_to_target_only"]:
         why.append(
             f"vLLM's speculative outputs differ from its target-only outputs on "
-            f"{len(prompts) - result['prompts_identical_to_target_only']} of {len(prompts)} prompts"
+            f"{n - result['prompts_identical_to_target_only']} of {n} prompts"
         )
     elif far:
         why.append(
@@ -336,16 +428,14 @@ def serve_check(
     if exact and not result["identical_to_draftsmith"]:
         why.append(
             f"vLLM's target-only outputs differ from draftsmith's on "
-            f"{len(prompts) - result['prompts_identical_to_draftsmith']} of {len(prompts)} prompts (fp32)"
+            f"{n - result['prompts_identical_to_draftsmith']} of {n} prompts (fp32)"
         )
     if not result["tau_rel_diff"] <= result["tau_tolerance"]:
         why.append(
             f"τ {result['vllm_tau']:.3f} in vLLM vs {ours['tau']:.3f} in draftsmith: {result['tau_rel_diff']:.1%} "
             f"apart, more than the {result['tau_tolerance']:.1%} tolerance"
         )
-    result.update(passed=not why, why="; ".join(why) or None)
-    write(result, out)
-    return result
+    return why
 
 
 def summary(r: dict) -> str:

@@ -40,8 +40,9 @@ def generate_batch(
     for b, p in enumerate(prompts):
         feed[b, width - len(p) :] = torch.tensor(p, device=device)
         mask[b, width - len(p) :] = 1
-    cache, answers = DynamicCache(), [[] for _ in prompts]
-    kept = [{n: [] for n in names} for _ in prompts]
+    cache = DynamicCache()
+    answers: list[list[int]] = [[] for _ in prompts]
+    kept: list[dict[str, list[torch.Tensor]]] = [{n: [] for n in names} for _ in prompts]
     rows = list(range(bsz))  # the prompt of each batch row
     done: set[int] = set()  # prompts whose answer is complete
     while rows:

@@ -73,8 +73,9 @@ def _dequantize_to_cache(gguf: Path, out: Path, sha256: str | None) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # save_pretrained refuses GGUF-quantized models until the quantization config is dropped;
         # the weights are already dequantized fp32 at this point.
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer.remove_quantization_config(model)
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:
+            quantizer.remove_quantization_config(model)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         tmp.replace(out)
@@ -126,7 +127,8 @@ def load_target(name: str, dtype: str = "auto", cache_dir: str = "", device: str
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype)
     except OSError as e:
         raise DraftsmithError(f"target '{name}': cannot load ({str(e).splitlines()[0]})") from None
-    return freeze(precision.keep_rope_fp32(model)).to(device), ensure_pad(tok)
+    # transformers 5 types PreTrainedModel.to through a decorator that mypy reads as unbound
+    return freeze(precision.keep_rope_fp32(model)).to(device), ensure_pad(tok)  # type: ignore[arg-type]
 
 
 def freeze(model: PreTrainedModel) -> PreTrainedModel:

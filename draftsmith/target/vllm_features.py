@@ -131,7 +131,7 @@ def capture(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
         )
         try:
-            for line in proc.stdout:  # one reader for both streams: neither pipe can fill and block vLLM
+            for line in proc.stdout or ():  # one reader for both streams: neither pipe can fill and block vLLM
                 f.write(line)
                 if not line.startswith(PREFIX):
                     continue
@@ -325,7 +325,8 @@ def _capture_main(job_path: str) -> None:
     start, tokens = time.perf_counter(), 0
     params = SamplingParams(max_tokens=1, temperature=0.0)  # the prompt's forward pass is what is captured
     todo, more = _requests(job["requests"]), True
-    pending, handed = {}, set()  # request id -> its file once finished (None before); files not yet read back
+    pending: dict[str, str | None] = {}  # request id -> its file once finished (None before)
+    handed: set[str] = set()  # files not yet read back
     while True:
         handed = {p for p in handed if os.path.exists(p)}  # draftsmith deletes each file once converted
         while more and len(pending) + len(handed) < job["max_in_flight"]:

@@ -191,6 +191,8 @@ def serve(
             version = "unknown"
         yield Server(url, models[0]["id"], version)
         return
+    if model is None:
+        raise DraftsmithError("serve: name the model to start a vLLM server of, or the url of a running one")
     python = find_python(python)
     port = free_port(port)
     args = server_args(model, port, dtype, max_model_len, speculative, extra)
@@ -230,9 +232,9 @@ def _wait_healthy(server: Server, proc: subprocess.Popen, timeout: float) -> Non
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         if proc.poll() is not None:
+            log = server.log.read_text(errors="replace") if server.log else ""
             raise DraftsmithError(
-                f"vLLM did not start (exit code {proc.returncode}): "
-                f"{startup_error(server.log.read_text(errors='replace'))} (log: {server.log})"
+                f"vLLM did not start (exit code {proc.returncode}): {startup_error(log)} (log: {server.log})"
             )
         try:
             _get(f"{server.url}/health", timeout=2)
@@ -314,7 +316,7 @@ def spec_counters(server: Server) -> dict:
     """vLLM's speculation counters, summed over engines: drafts (verification steps that carried a
     draft), draft tokens, accepted tokens, and accepted tokens per draft position."""
     text = _get(f"{server.url}/metrics")
-    out = {name: 0.0 for name in SPEC_METRICS}
+    out: dict = {name: 0.0 for name in SPEC_METRICS}  # and "per_pos", a list
     per_pos: dict[int, float] = {}
     for line in text.splitlines():
         m = re.match(r"^vllm:spec_decode_(\w+?)_total(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
@@ -324,7 +326,10 @@ def spec_counters(server: Server) -> dict:
         if name in out:
             out[name] += value
         elif name == "num_accepted_tokens_per_pos":
-            pos = int(re.search(r'position="(\d+)"', labels).group(1))
+            found = re.search(r'position="(\d+)"', labels)
+            if found is None:  # a per-position counter always carries its position label
+                continue
+            pos = int(found.group(1))
             per_pos[pos] = per_pos.get(pos, 0.0) + value
     out["per_pos"] = [per_pos[j] for j in sorted(per_pos)]
     return out

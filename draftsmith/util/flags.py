@@ -38,8 +38,8 @@ def _documented(body: list[ast.stmt]) -> dict[str, tuple[ast.expr | None, str]]:
     found = {}
     for node, after in zip(body, [*body[1:], None]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-            doc = after.value.value if is_doc and isinstance(after.value.value, str) else ""
+            value = after.value if isinstance(after, ast.Expr) else None
+            doc = value.value if isinstance(value, ast.Constant) and isinstance(value.value, str) else ""
             found[node.target.id] = (node.value, " ".join(inspect.cleandoc(doc).split()))
     return found
 
@@ -50,8 +50,9 @@ def field_docs(cls: type) -> dict[str, str]:
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if dataclasses.is_dataclass(klass) and "__dataclass_fields__" in vars(klass):
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-            docs.update((name, doc) for name, (_, doc) in _documented(tree.body[0].body).items() if doc)
+            node = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0]
+            assert isinstance(node, ast.ClassDef)  # the source of a class is its class statement
+            docs.update((name, doc) for name, (_, doc) in _documented(node.body).items() if doc)
     return docs
 
 

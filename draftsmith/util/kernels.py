@@ -18,6 +18,7 @@ kernel), and restores them after. The weights must not change inside the block: 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import TypeGuard
 
 import torch
 
@@ -37,7 +38,7 @@ def available() -> bool:
     )
 
 
-def _packable(m: torch.nn.Module) -> bool:
+def _packable(m: torch.nn.Module) -> TypeGuard[torch.nn.Linear]:
     w = getattr(m, "weight", None)
     return (
         type(m) is torch.nn.Linear
@@ -69,7 +70,7 @@ def packed_linears(*modules: torch.nn.Module | None, enabled: bool = True):
         for module in modules:
             for m in module.modules() if isinstance(module, torch.nn.Module) else ():
                 if _packable(m):
-                    m.forward = _packed_forward(m)
+                    setattr(m, "forward", _packed_forward(m))  # an instance attribute: it shadows the method
                     patched.append(m)
     try:
         yield len(patched)

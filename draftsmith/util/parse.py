@@ -33,7 +33,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return None
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
         origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise DraftsmithError(f"{where}: expected a mapping, got {value!r}")
         return from_dict(tp, value, where)

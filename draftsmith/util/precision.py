@@ -17,6 +17,7 @@ import functools
 import os
 import platform
 import warnings
+from typing import TypeVar
 
 import torch
 
@@ -178,12 +179,19 @@ class _Fp32Rope:
         return self
 
 
-@functools.cache
+_FP32_ROPE_CLASSES: dict[type, type] = {}  # one subclass per rotary class, so isinstance checks hold
+
+
 def _fp32_rope_class(cls: type) -> type:
-    return type(cls.__name__, (_Fp32Rope, cls), {"__module__": cls.__module__})
+    if cls not in _FP32_ROPE_CLASSES:
+        _FP32_ROPE_CLASSES[cls] = type(cls.__name__, (_Fp32Rope, cls), {"__module__": cls.__module__})
+    return _FP32_ROPE_CLASSES[cls]
 
 
-def keep_rope_fp32(module: torch.nn.Module) -> torch.nn.Module:
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def keep_rope_fp32(module: M) -> M:
     """Give every rotary embedding in `module` (a submodule with an `inv_freq` buffer) fp32 buffers
     that survive casts -> module. Call it while they are still fp32: at build, before any cast."""
     for m in module.modules():

@@ -1,8 +1,9 @@
 """The rule, in one line: draftsmith.util imports nothing of draftsmith but its error type, and every
 other room imports only util and the rooms below it in target <- data <- engine <- models <- eval <-
-ship <- train (the loop runs the eval stage and reads exports for `init_from`), so the imports tell a
-newcomer which room is built on which. The CLI and the benchmarks sit on top: they may import any
-room, and no room imports them (nor the CLI the benchmarks, which are not in the wheel)."""
+{ship, train}, so the imports tell a newcomer which room is built on which. Rooms at the same level are
+peers and import neither each other: ship (the writers, serve-check, publish) and train (the loop) both
+read drafters and exports through models/readers.py. The CLI and the benchmarks sit on top: they may
+import any room, and no room imports them (nor the CLI the benchmarks, which are not in the wheel)."""
 
 import ast
 from pathlib import Path
@@ -16,9 +17,10 @@ ROOMS = {  # room -> (folder, level)
     "models": ("models", 3),
     "eval": ("eval", 4),
     "ship": ("draftsmith/ship", 5),
-    "train": ("train", 6),
+    "train": ("train", 5),  # ship's peer: neither imports the other
 }
-TOP = {"cli": ("draftsmith/cli.py", 7), "benchmarks": ("benchmarks", 7)}
+TOP = {"cli": ("draftsmith/cli.py", 6), "benchmarks": ("benchmarks", 6)}
+LEVEL = {room: lvl for room, (_, lvl) in {**ROOMS, **TOP}.items()}
 
 
 def _imports(path: Path) -> set[str]:
@@ -46,18 +48,24 @@ def _room(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else None  # `draftsmith` alone: the error type
 
 
+def forbidden(room: str, other: str) -> bool:
+    """Whether `room` may not import `other` (two different rooms)."""
+    if room == "util" or other not in LEVEL or LEVEL[other] > LEVEL[room]:
+        return True
+    # benchmarks/ is not in the wheel: nothing installed, the CLI included, may import it
+    if other == "benchmarks":
+        return True
+    return room in ROOMS and LEVEL[other] == LEVEL[room]  # peers (ship, train) import neither each other
+
+
 def violations() -> list[str]:
-    level = {room: lvl for room, (_, lvl) in {**ROOMS, **TOP}.items()}
     wrong = []
-    for room, (folder, own) in {**ROOMS, **TOP}.items():
+    for room, (folder, _) in {**ROOMS, **TOP}.items():
         paths = [ROOT / folder] if folder.endswith(".py") else sorted((ROOT / folder).rglob("*.py"))
         for path in paths:
             for imported in _imports(path):
                 other = _room(imported)
-                if other is None or other == room:
-                    continue
-                # benchmarks/ is not in the wheel: nothing installed, the CLI included, may import it
-                if room == "util" or other not in level or level[other] > own or other == "benchmarks":
+                if other is not None and other != room and forbidden(room, other):
                     wrong.append(f"{path.relative_to(ROOT)} ({room}) imports {imported}")
     return wrong
 
@@ -65,6 +73,17 @@ def violations() -> list[str]:
 def test_rooms_import_only_downwards_and_util_imports_nothing():
     wrong = violations()
     assert not wrong, "\n".join(wrong)
+
+
+def test_peers_import_neither_each_other():
+    """ship and train share a level; the rule must refuse an import either way, as it refuses an upward one."""
+    assert LEVEL["ship"] == LEVEL["train"]
+    assert forbidden("ship", "train") and forbidden("train", "ship")
+    assert not forbidden("train", "models") and not forbidden("ship", "eval")
+    assert forbidden("models", "ship") and forbidden("eval", "train")
+    assert not forbidden("benchmarks", "cli") and forbidden("cli", "benchmarks")
+    assert not forbidden("cli", "train") and not forbidden("benchmarks", "ship")
+    assert _room("draftsmith.ship.export") == "ship" and _room("draftsmith.train.loop") == "train"
 
 
 def test_every_module_lives_in_a_room():

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -86,6 +87,25 @@ def test_sources_joined_by_plus_keep_their_order_and_locations(tmp_path):
     # A file whose name holds a '+' is that file, not two sources.
     (tmp_path / "a+b.jsonl").write_text(json.dumps(rows[0]) + "\n")
     assert read_records(str(tmp_path / "a+b.jsonl")) == rows[:1]
+
+
+@pytest.mark.parametrize(
+    "spec, where",
+    [("builtin:code+", "after '+'"), ("+builtin:code", "before '+'"), ("builtin:code++builtin:prose", "after '+'")],
+)
+def test_an_empty_source_in_a_plus_join_is_named(spec, where):
+    """`builtin:code+` once read '' as a dataset name: `: cannot load data (list index out of range)`."""
+    from draftsmith.data.config import DataConfig
+    from draftsmith.train.config import load_config
+
+    message = f"{re.escape(repr(spec))} has an empty part {re.escape(where)}$"
+    with pytest.raises(DraftsmithError, match=f"^{message}"):
+        read_records(spec)
+    # ... and a recipe says so when it is read, naming the key, before any data or model loads.
+    with pytest.raises(DraftsmithError, match=f"^data.train: {message}"):
+        load_config(None, [f"data.train={spec}"])
+    with pytest.raises(DraftsmithError, match=f"^data.holdout: {message}"):
+        DataConfig(holdout=spec)
 
 
 def test_missing_chat_template_and_empty_dataset(tmp_path, chat_jsonl):

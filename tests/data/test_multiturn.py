@@ -3,6 +3,7 @@ order, each prompt holding the target's own earlier answers; the record keeps th
 loss covers exactly those answers."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -247,6 +248,46 @@ def test_tool_calls_are_trained_and_tool_results_are_kept_verbatim(tiny_target, 
     assert rows[0]["chat_template_kwargs"] == {"tools": TOOL_RECORD["tools"]}
     pairs = [p for r in rows for p in _pairs([r])[0]]
     assert len(pairs) == 2 and "<|im_start|>tool\n42<|im_end|>" in text(pairs[1][0])
+
+
+USER, RESULT, ANSWER = TOOL_RECORD["messages"][0], TOOL_RECORD["messages"][2], TOOL_RECORD["messages"][3]
+BAD_TOOL_USE = {
+    "arguments that are not JSON": (
+        [USER, {**TOOL_RECORD["messages"][1], "tool_calls": [{"function": {"name": "add", "arguments": "{not json"}}]}]
+        + [RESULT, ANSWER],
+        "'messages' turn 1 (assistant), tool call 0: 'arguments' are not JSON (Expecting property name enclosed in "
+        "double quotes), got '{not json'",
+    ),
+    "a tool result that answers no call": (
+        [USER, RESULT, ANSWER],
+        "'messages' turn 1 is a tool result, but no assistant turn with 'tool_calls' comes before it",
+    ),
+}
+
+
+def test_malformed_tool_use_is_skipped_or_stops_regeneration(tiny_target, tmp_path, capsys):
+    """Both once went through `data regenerate` (exit 0, the record written); now they are malformed
+    records like any other: skipped with file:line (data.malformed=skip), or the first stops it (error)."""
+    from draftsmith import DraftsmithError
+
+    target, tok = tiny_target
+    ensure_pad(tok)
+    tok.chat_template = TOOLS
+    data = tmp_path / "tools.jsonl"
+    rows = [TOOL_RECORD] + [{"tools": TOOL_RECORD["tools"], "messages": m} for m, _ in BAD_TOOL_USE.values()]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = regenerate(target, tok, str(data), tmp_path / "regen.jsonl", 4, 4)
+    assert {json.loads(l)["id"] for l in out.read_text().splitlines()} == {0}  # the well-formed conversation only
+    (first, why_first), (second, why_second) = BAD_TOOL_USE.values()
+    assert f"{data}: skipped 2 of 3 malformed records ({data}:2: {why_first}; {data}:3: {why_second})" in (
+        capsys.readouterr().err
+    )
+    for n, (messages, why) in enumerate(BAD_TOOL_USE.values()):
+        bad = tmp_path / f"bad{n}.jsonl"
+        bad.write_text(json.dumps(TOOL_RECORD) + "\n" + json.dumps({"messages": messages}) + "\n")
+        with pytest.raises(DraftsmithError, match=rf"^{re.escape(f'{bad}:2: {why}')}$"):
+            regenerate(target, tok, str(bad), tmp_path / f"regen{n}.jsonl", 4, 4, malformed="error")
+        assert not (tmp_path / f"regen{n}.jsonl").exists()
 
 
 def test_every_data_step_accounts_for_what_went_in_and_what_was_dropped(tiny_target, tiny_target_dir, tmp_path, capsys):

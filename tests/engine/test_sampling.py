@@ -140,12 +140,12 @@ def test_block_drafters_sample_losslessly(peaked_target, family):
     """One drafter pass samples every slot from its own distribution q (independent of the slots
     before it, which the rule allows: q only has to be known); the rule keeps the target's
     distribution, and accepting every draft does not."""
-    from draftsmith.models.registry import drafter_module
+    from draftsmith.models.registry import drafter_family
 
     target = peaked_target
     torch.manual_seed(0)
-    module = drafter_module(family)
-    cfg = module.DrafterConfig(
+    fam = drafter_family(family)
+    cfg = fam.DrafterConfig(
         **(
             {"aux_layers": [0, 1, 1], "draft_vocab_size": target.config.vocab_size, "depths": 3}
             if family == "peagle"
@@ -153,5 +153,5 @@ def test_block_drafters_sample_losslessly(peaked_target, family):
         )
     )
     data = {"input_ids": [list(range(target.config.vocab_size))], "loss_mask": [[1] * target.config.vocab_size]}
-    proposer = module.make_proposer(module.build(cfg, target, data).eval(), target, cfg)
+    proposer = fam.make_proposer(fam.build(cfg, target, data).eval(), target, cfg)
     assert_samples_losslessly(target, proposer)

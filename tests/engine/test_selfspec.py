@@ -6,6 +6,7 @@ import json
 import pytest
 
 from draftsmith import DraftsmithError
+from draftsmith.data.load import encode_prompt, load_prompts
 from draftsmith.engine import selfspec
 from draftsmith.engine.speculative import Stats, speculative_decode, target_decode
 from tests.conftest import make_target, make_tokenizer
@@ -50,8 +51,9 @@ def test_calibration_picks_layers_saves_them_and_compare_loads_them(deep_target,
     from draftsmith.eval.config import EvalConfig
 
     target, tok, path = deep_target
+    prompts = [encode_prompt(tok, p) for p in load_prompts(str(chat_jsonl), 2)]
     choice = selfspec.calibrate(
-        target, tok, str(chat_jsonl), k=2, num_prompts=2, max_new_tokens=8, budget=5, log=lambda s: None
+        target, tok, prompts, str(chat_jsonl), k=2, max_new_tokens=8, budget=5, log=lambda s: None
     )
     assert 0 not in choice["skip"] and len(choice["skip"]) < 3 and choice["evaluations"] <= 5
     assert choice["cost_fraction"] <= 1 and choice["tau"] >= 1
@@ -66,8 +68,6 @@ def test_calibration_picks_layers_saves_them_and_compare_loads_them(deep_target,
 def test_teacher_forced_tau_equals_decoded_tau(deep_target, chat_jsonl):
     """Calibration scores skip sets without decoding; for greedy chains its τ is exactly the τ that
     speculative decoding measures (drafts accepted so far are the target's own tokens)."""
-    from draftsmith.data.load import encode_prompt, load_prompts
-
     target, tok, _ = deep_target
     prompts = [encode_prompt(tok, p) for p in load_prompts(str(chat_jsonl), 3)]
     for skip, k in (([1], 2), ([1, 3], 3), ([2], 4)):

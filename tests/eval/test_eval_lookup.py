@@ -10,7 +10,7 @@ from draftsmith.eval.config import EvalConfig
 from draftsmith.eval.report import format_table
 from draftsmith.eval.run import evaluate_drafter
 from draftsmith.models import eagle3
-from draftsmith.models.registry import drafter_module
+from draftsmith.models.registry import drafter_family
 
 
 @pytest.mark.fp32_exact
@@ -20,7 +20,7 @@ def test_lookup_row_is_lossless_and_follows_the_drafters_row(tiny_target, chat_j
     dcfg = eagle3.DrafterConfig(aux_layers=[0, 1, 1])
     drafter = eagle3.build(dcfg, target).eval()
     cfg = EvalConfig(num_prompts=3, max_new_tokens=12, tree="dynamic:depth=2,top_k=2,tokens=3", lookup=True)
-    family = drafter_module("eagle3")
+    family = drafter_family("eagle3")
     report = evaluate_drafter(family, drafter, dcfg, target, tok, str(chat_jsonl), tmp_path / "eval", cfg)
     row = report["with_lookup"]
     assert report["drafter"] == "eagle3" and row["drafter"] == "hybrid (eagle3 + lookup)"

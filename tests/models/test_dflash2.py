@@ -16,7 +16,8 @@ from draftsmith import DraftsmithError
 from draftsmith.engine.speculative import Sampler, Stats, speculative_greedy, target_greedy
 from draftsmith.models import dflash, dflash2
 from draftsmith.models.folder import load_state
-from draftsmith.ship.export import export, export_family, init_weights
+from draftsmith.models.readers import export_family, init_weights
+from draftsmith.ship.export import export
 from tests.models.conftest import block_feats, train_on_random_tokens
 from tests.ship.test_export import _same_decoding, _save
 

@@ -92,7 +92,8 @@ def test_distillation_in_the_shared_loop_evaluates_and_exports_a_plain_causal_lm
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith.ship.export import export, import_export
+    from draftsmith.models.readers import import_export
+    from draftsmith.ship.export import export
     from draftsmith.target.load import load_target
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train

@@ -132,7 +132,8 @@ def test_chain_drafts_are_lossless_with_real_heads(tiny_target):
 
 @pytest.mark.fp32_exact
 def test_vllm_export_contract_and_round_trip(tiny_target, tmp_path):
-    from draftsmith.ship.export import export, import_export
+    from draftsmith.models.readers import import_export
+    from draftsmith.ship.export import export
 
     target, _ = tiny_target
     cfg = medusa.DrafterConfig(num_heads=3, num_layers=2)
@@ -195,7 +196,8 @@ def test_medusa_trains_in_the_shared_loop_and_evaluates_on_a_static_tree(tiny_ta
 
 @pytest.mark.fp32_exact
 def test_reduced_head_vocabulary_maps_back_to_target_ids_and_exports_a_token_map(tiny_target, tmp_path):
-    from draftsmith.ship.export import export, import_export
+    from draftsmith.models.readers import import_export
+    from draftsmith.ship.export import export
 
     target, tok = tiny_target
     rows = [{"input_ids": tok("abcabc hello")["input_ids"], "loss_mask": [1] * 12}]
@@ -342,7 +344,8 @@ def test_medusa2_trains_is_verified_by_its_backbone_and_exports_it(tiny_target_d
     from draftsmith.eval.config import EvalConfig
     from draftsmith.eval.drafters import Resolved
     from draftsmith.eval.run import evaluate
-    from draftsmith.ship.export import export, import_export
+    from draftsmith.models.readers import import_export
+    from draftsmith.ship.export import export
     from draftsmith.target.load import load_target
     from draftsmith.train.config import load_config
     from draftsmith.train.loop import train
@@ -398,7 +401,8 @@ def test_medusa2_trains_is_verified_by_its_backbone_and_exports_it(tiny_target_d
 
 @pytest.mark.fp32_exact
 def test_original_lm_head_heads_share_the_targets_and_export_one_lm_head(tiny_target, tmp_path):
-    from draftsmith.ship.export import export, import_export
+    from draftsmith.models.readers import import_export
+    from draftsmith.ship.export import export
 
     target, _ = tiny_target
     cfg = medusa.DrafterConfig(num_heads=2, original_lm_head=True, fc_bias=False)

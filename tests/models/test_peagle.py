@@ -118,7 +118,7 @@ def _exported(target, tmp_path):
 def test_speculators_peagle_export_has_what_vllm_reads_and_round_trips(tiny_target, tmp_path):
     from safetensors.torch import load_file
 
-    from draftsmith.ship.export import export_family, import_export
+    from draftsmith.models.readers import export_family, import_export
 
     target, _ = tiny_target
     cfg, d, out = _exported(target, tmp_path)
@@ -152,7 +152,7 @@ def test_bad_peagle_configs_are_one_line_errors(tiny_target):
 
 @pytest.mark.fp32_exact
 def test_init_from_a_peagle_export_takes_its_layers_norm_and_mask_token(tiny_target, tmp_path):
-    from draftsmith.ship.export import init_weights, read_config
+    from draftsmith.models.readers import init_weights, read_config
 
     target, _ = tiny_target
     _, d, out = _exported(target, tmp_path)

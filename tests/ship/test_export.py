@@ -11,34 +11,35 @@ from draftsmith.cli import main
 from draftsmith.engine.speculative import Stats, speculative_greedy
 from draftsmith.models import distill, eagle, eagle3, medusa
 from draftsmith.models.folder import save_drafter
+from draftsmith.models.readers import import_export
 from draftsmith.models.registry import load_drafter
-from draftsmith.ship.export import export, import_export
+from draftsmith.ship.export import export
 from draftsmith.target.load import fingerprint
 from tests.conftest import lossless_ok
 
 H = 32  # tiny target hidden size
 
 
-def _save(tmp_path, module, cfg, target):
+def _save(tmp_path, family, cfg, target):
     torch.manual_seed(0)
     ds = {"input_ids": [list(range(5, 60))], "loss_mask": [[1] * 55]}
-    drafter = module.build(cfg, target, ds)
+    drafter = family.build(cfg, target, ds)
     meta = {
-        "drafter": module.NAME,
-        "drafter_config": {"type": module.NAME, **cfg.__dict__},
+        "drafter": family.NAME,
+        "drafter_config": {"type": family.NAME, **cfg.__dict__},
         "target": "tiny",
         "target_fingerprint": fingerprint(target),
     }
-    return save_drafter(drafter, tmp_path / f"{module.NAME}-final", meta)
+    return save_drafter(drafter, tmp_path / f"{family.NAME}-final", meta)
 
 
 def _same_decoding(path, exported, target):
     prompt = list(range(10, 22))
     runs = []
     for loader in (lambda: load_drafter(path, target), lambda: import_export(exported, target)):
-        module, cfg, d = loader()
+        family, cfg, d = loader()
         stats = Stats(k=4)
-        out = speculative_greedy(target, module.make_proposer(d, target, cfg), prompt, 4, 24, set(), stats)
+        out = speculative_greedy(target, family.make_proposer(d, target, cfg), prompt, 4, 24, set(), stats)
         runs.append((out, stats.accepted, stats.passes))
     assert runs[0] == runs[1]
 
@@ -132,16 +133,16 @@ def test_drafters_bench_runs_every_row_on_tiny_drafters_of_every_family(tiny_tar
 
     target, _ = load_target(str(tiny_target_dir))
     paths = {}
-    for module, cfg in (
+    for family, cfg in (
         (eagle, eagle.DrafterConfig()),
         (eagle3, eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=48)),
         (medusa, medusa.DrafterConfig(num_heads=2)),
         (distill, distill.DrafterConfig(num_layers=1)),
     ):
-        path = _save(tmp_path, module, cfg, target)
+        path = _save(tmp_path, family, cfg, target)
         meta = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**meta, "target": str(tiny_target_dir)}))
-        paths[module.NAME] = str(path)
+        paths[family.NAME] = str(path)
     out = tmp_path / "bench.json"
     bench.main(
         [
@@ -198,14 +199,14 @@ def test_drafters_bench_takes_a_chain_length_per_drafter_for_block_drafters(tiny
 
     target, _ = load_target(str(tiny_target_dir))
     paths = {}
-    for module, cfg in (
+    for family, cfg in (
         (eagle3, eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=48)),
         (peagle, peagle.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=48, depths=3)),
     ):
-        path = _save(tmp_path, module, cfg, target)
+        path = _save(tmp_path, family, cfg, target)
         meta = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**meta, "target": str(tiny_target_dir)}))
-        paths[module.NAME] = str(path)
+        paths[family.NAME] = str(path)
     out = tmp_path / "bench.json"
     bench.main(
         [

@@ -8,56 +8,63 @@ import pytest
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.models import dflash, dflash2, distill, dspark, eagle, eagle3, medusa, peagle
+from draftsmith.models import eagle, eagle3, medusa
 from draftsmith.models.folder import load_state, save_drafter
-from draftsmith.ship.export import export, init_weights
+from draftsmith.models.readers import init_weights
+from draftsmith.models.registry import DRAFTERS
+from draftsmith.ship.export import export
 from draftsmith.target.load import fingerprint
 
-CASES = [
-    (eagle, eagle.DrafterConfig(), ["vllm", "sglang"]),
-    (eagle3, eagle3.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=40), ["sglang", "speculators"]),
-    (medusa, medusa.DrafterConfig(num_heads=2, draft_vocab_size=30, original_lm_head=True), ["vllm"]),
-    (distill, distill.DrafterConfig(num_layers=1), ["hf"]),
-    (peagle, peagle.DrafterConfig(aux_layers=[0, 1, 1], draft_vocab_size=40, depths=3), ["speculators"]),
-    (dflash, dflash.DrafterConfig(aux_layers=[0], block_size=4), ["speculators"]),
-    (dspark, dspark.DrafterConfig(aux_layers=[0], block_size=4, markov_rank=8), ["speculators"]),
-    (dflash2, dflash2.DrafterConfig(aux_layers=[0], block_size=4, selector_rank=8, selector_top_k=4), ["speculators"]),
-]
+# Every registered family at its tiny size (its record's `tiny`, for a 3-layer target), and a variant
+# that size leaves out: Medusa's reduced draft vocabulary over the target's own lm_head.
+CASES = {name: (name, family.tiny) for name, family in DRAFTERS.items()} | {
+    "medusa-draft-vocab": ("medusa", {"num_heads": 2, "draft_vocab_size": 30, "original_lm_head": True}),
+}
 
 
-def _trained(module, cfg, target, seed):
+@pytest.fixture(scope="module")
+def target3_dir(tmp_path_factory):
+    """Three layers: what the families' tiny sizes take (EAGLE-3's three distinct aux layers)."""
+    from tests.conftest import save_target
+
+    return save_target(tmp_path_factory.mktemp("target3"), layers=3)
+
+
+def _trained(family, cfg, target, seed):
     """A drafter whose every weight differs from a fresh build (a fresh build must not pass as loaded)."""
     torch.manual_seed(seed)
     ds = {"input_ids": [list(range(5 + seed, 90))], "loss_mask": [[1] * (85 - seed)]}
-    drafter = module.build(cfg, target, ds)
+    drafter = family.build(cfg, target, ds)
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return drafter
 
 
-@pytest.mark.parametrize("module,cfg,formats", CASES, ids=[c[0].NAME for c in CASES])
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.fp32_exact
-def test_init_from_a_final_folder_and_every_export_format_loads_identical_weights(
-    tiny_target, tmp_path, module, cfg, formats
-):
-    target, tok = tiny_target
-    source = _trained(module, cfg, target, seed=0)
+def test_init_from_a_final_folder_and_every_export_format_loads_identical_weights(target3_dir, tmp_path, case):
+    from draftsmith.target.load import load_target
+
+    name, sizes = CASES[case]
+    family, (target, tok) = DRAFTERS[name], load_target(str(target3_dir))
+    cfg, formats = family.DrafterConfig(**sizes), list(family.EXPORTS)
+    source = _trained(family, cfg, target, seed=0)
     meta = {
-        "drafter": module.NAME,
-        "drafter_config": {"type": module.NAME, **cfg.__dict__},
+        "drafter": family.NAME,
+        "drafter_config": {"type": family.NAME, **cfg.__dict__},
         "target": "tiny",
         "target_fingerprint": fingerprint(target),
     }
     final = save_drafter(source, tmp_path / "final", meta)
     folders = [final] + [export(final, target, fmt, tmp_path / fmt, tok) for fmt in formats]
     for folder in folders:
-        fresh = module.build(cfg, target, {"input_ids": [list(range(60, 100))], "loss_mask": [[1] * 40]})
-        init_weights(fresh, module.NAME, folder, target)
+        fresh = family.build(cfg, target, {"input_ids": [list(range(60, 100))], "loss_mask": [[1] * 40]})
+        init_weights(fresh, family.NAME, folder, target)
         want, got = source.state_dict(), fresh.state_dict()
         assert sorted(want) == sorted(got)
-        for name in want:  # buffers too: an EAGLE-3 / Medusa draft vocabulary is the init's, not the new data's
-            assert torch.equal(want[name], got[name]), (folder.name, name)
+        for key in want:  # buffers too: an EAGLE-3 / Medusa draft vocabulary is the init's, not the new data's
+            assert torch.equal(want[key], got[key]), (folder.name, key)
 
 
 @pytest.mark.fp32_exact
@@ -159,7 +166,7 @@ def test_a_fine_tuning_run_reports_both_holdouts_before_and_after(tiny_target_di
     assert "| holdout | τ before | τ after" in (run / "eval" / "before_after.md").read_text()
     # "before" is the init itself: the same τ as evaluating the first run's drafter on that holdout.
     target, tok = load_target(str(tiny_target_dir))
-    module, dcfg, init = load_drafter(first / "final", target)
+    family, dcfg, init = load_drafter(first / "final", target)
     cfg = EvalConfig(k=2, num_prompts=2, max_new_tokens=10)
-    again = evaluate_drafter(module, init, dcfg, target, tok, str(chat_jsonl), None, cfg)
+    again = evaluate_drafter(family, init, dcfg, target, tok, str(chat_jsonl), None, cfg)
     assert table[str(chat_jsonl)]["before"]["tau"] == again["tau"]

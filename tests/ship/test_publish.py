@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from benchmarks.tiny_target import TINY_DRAFTERS
 from draftsmith.cli import main
 
 
@@ -392,24 +393,23 @@ def _train(target_dir, data, tmp_path, family: str, extra: dict):
     )
 
 
-def test_parity_compares_logits_of_every_family(tiny_target_dir, chat_jsonl, tmp_path):
-    """The logits tap finds each family's logits (EAGLE's function, Medusa's heads, the student's forward)."""
+@pytest.mark.parametrize("family", TINY_DRAFTERS)
+def test_parity_compares_logits_of_every_family(tiny_target_dir, chat_jsonl, tmp_path, family):
+    """The logits tap finds each family's logits (EAGLE's function, Medusa's heads, the student's forward,
+    a block's pass), in the format vLLM serves it from, for every registered family at its tiny size."""
+    from draftsmith.models.registry import DRAFTERS
     from draftsmith.ship.export import export
     from draftsmith.ship.publish import verify_export
     from draftsmith.target.load import load_target
 
     target, tok = load_target(str(tiny_target_dir))
-    for family, fmt, extra in (
-        ("eagle", "vllm", {}),
-        ("medusa", "vllm", {"drafter.num_heads": 2}),
-        ("distill", "hf", {"drafter.num_layers": 1}),
-    ):
-        run = _train(tiny_target_dir, chat_jsonl, tmp_path, family, extra)
-        out = export(run / "final", target, fmt, tmp_path / f"{family}-export", tok)
-        parity = verify_export(run / "final", out, target, tok, str(chat_jsonl), k=2, prompts=1, max_new_tokens=8)
-        # fp32 rounding only: the hf export saves the student with its LoRA merged, the drafter merges on load
-        assert parity["logit_rows"] > 0 and parity["max_abs_logit_diff"] < 1e-5, family
-        assert parity["logit_argmax_agreement"] == 1.0 and parity["passed"], family
+    fmt = DRAFTERS[family].SERVE_FORMAT or next(iter(DRAFTERS[family].EXPORTS))
+    run = _train(tiny_target_dir, chat_jsonl, tmp_path, family, TINY_DRAFTERS[family])
+    out = export(run / "final", target, fmt, tmp_path / f"{family}-export", tok)
+    parity = verify_export(run / "final", out, target, tok, str(chat_jsonl), k=2, prompts=1, max_new_tokens=8)
+    # fp32 rounding only: the hf export saves the student with its LoRA merged, the drafter merges on load
+    assert parity["logit_rows"] > 0 and parity["max_abs_logit_diff"] < 1e-5, family
+    assert parity["logit_argmax_agreement"] == 1.0 and parity["passed"], family
 
 
 @pytest.mark.skipif(not importlib.util.find_spec("speculators"), reason="speculators is not installed")

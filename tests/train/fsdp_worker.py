@@ -8,7 +8,7 @@ import torch
 from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.models.registry import drafter_module
+from draftsmith.models.registry import drafter_family
 from draftsmith.target.features import target_features
 from draftsmith.target.load import freeze
 from draftsmith.train.config import drafter_config, load_config
@@ -45,17 +45,17 @@ def main(out: str) -> None:
             )
         )
         cfg = load_config(None, overrides)
-        module, dcfg = drafter_module(family), drafter_config(cfg)
+        fam, dcfg = drafter_family(family), drafter_config(cfg)
         ids = torch.randint(0, 128, (1, lengths[rank]), generator=torch.Generator().manual_seed(rank))
         ones = torch.ones_like(ids)
         batch = {"input_ids": ids, "attention_mask": ones, "loss_mask": ones}
-        drafter = module.build(dcfg, target, {"input_ids": ids.tolist(), "loss_mask": ones.tolist()})
-        names = module.feature_names(dcfg, target.config)
+        drafter = fam.build(dcfg, target, {"input_ids": ids.tolist(), "loss_mask": ones.tolist()})
+        names = fam.feature_names(dcfg, target.config)
 
         def step():
             feats = target_features(target, batch, names)
             drafter.zero_grad()
-            loss, _, _ = module.compute_loss(drafter, target, batch, feats, dcfg)
+            loss, _, _ = fam.compute_loss(drafter, target, batch, feats, dcfg)
             loss.backward()
             return [*feats.values(), loss.detach()[None], *(p.grad for p in drafter.parameters() if p.grad is not None)]
 

@@ -72,3 +72,15 @@ def test_recipes_exist():
         "qwen2.5-7b/distill-0.5b.yaml",
         "llama-3.1-70b/distill-3b.yaml",
     } <= names
+
+
+def test_the_data_commands_read_a_recipe_as_train_does():
+    """`data inspect` reads the `data:` section and the target's keys itself (data/config.py: data sits
+    below train); the same recipe and overrides give the same values, defaults included."""
+    from draftsmith.data.config import RecipeData, recipe_data
+
+    for recipe, overrides in [(None, []), *((r, ["data.max_length=64", "cache_dir=/tmp/c"]) for r in RECIPES)]:
+        cfg = load_config(recipe, overrides)
+        assert recipe_data(recipe, overrides) == RecipeData(cfg.data, cfg.target, cfg.target_dtype, cfg.cache_dir)
+    with pytest.raises(DraftsmithError, match=r"^config.data: unknown key 'max_lenght'; did you mean 'max_length'"):
+        recipe_data(None, ["data.max_lenght=64"])

@@ -126,8 +126,8 @@ def test_zero3_matches_one_process_shards_the_target_and_writes_a_whole_final(ru
     from draftsmith.target.load import load_target
 
     target, _ = load_target(str(runs.target))
-    module, _, drafter = load_drafter(run / "final", target)
-    assert module.NAME == "eagle" and _same({k: v for k, v in drafter.state_dict().items() if k in mine}, mine, 0)
+    family, _, drafter = load_drafter(run / "final", target)
+    assert family.NAME == "eagle" and _same({k: v for k, v in drafter.state_dict().items() if k in mine}, mine, 0)
     state = json.loads((run / "step-000004" / "trainer_state.json").read_text())
     assert state["zero_stage"] == 3 and state["processes"] == 2
     assert json.loads((run / "eval" / "report.json").read_text())["lossless"]  # the eval stage ran on final/

@@ -28,13 +28,13 @@ from draftsmith.train.plan import per_rank, plan, sizes, target_config
 )
 @pytest.mark.fp32_exact
 def test_weights_gradients_and_optimizer_bytes_equal_real_tensors_after_a_step(tiny_target_dir, tiny_target, family):
-    from draftsmith.models.registry import drafter_module
+    from draftsmith.models.registry import drafter_family
 
     cfg = load_config(None, [f"target={tiny_target_dir}", "target_dtype=float32", *family])
     planned = per_rank(sizes(cfg, target_config(cfg.target)), "multi-gpu", 1, 4)
     target, _ = tiny_target
-    module = drafter_module(cfg.drafter["type"])
-    drafter = module.build(drafter_config(cfg), target)
+    family = drafter_family(cfg.drafter["type"])
+    drafter = family.build(drafter_config(cfg), target)
     target_ids = {id(p) for p in target.parameters()}
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable)
@@ -88,7 +88,7 @@ def test_a_distill_student_is_planned_from_its_config_as_its_build_makes_it(
     tiny_target_dir, other_target_dir, tiny_target
 ):
     # Its build loads the student's weights and tokenizer; the plan builds the same model from its config.
-    from draftsmith.models.registry import drafter_module
+    from draftsmith.models.registry import drafter_family
 
     cfg = load_config(
         None,
@@ -102,7 +102,7 @@ def test_a_distill_student_is_planned_from_its_config_as_its_build_makes_it(
     )
     s = sizes(cfg, target_config(cfg.target))
     target, _ = tiny_target
-    student = drafter_module("distill").build(drafter_config(cfg), target)
+    student = drafter_family("distill").build(drafter_config(cfg), target)
     assert s.drafter_params == sum(p.numel() for p in student.parameters())
     assert s.trainable_params == sum(p.numel() for p in student.parameters() if p.requires_grad) < s.drafter_params
 

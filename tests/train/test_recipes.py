@@ -90,3 +90,15 @@ def test_known_config_is_the_published_model(name):
 
 def test_unknown_models_are_none():
     assert known_config("meta-llama/Qwen3-8B") is None
+
+
+def test_recipes_read_users_files_from_datasets():
+    """Users' records live in datasets/ at the top of the repository (git-ignored), not in data/, the
+    data room's code."""
+    files = {
+        (recipe_id(p), spec)
+        for p in GPU_RECIPES
+        for spec in (load_config(p).data.train, load_config(p).data.holdout)
+        if spec.endswith((".jsonl", ".json", ".parquet"))
+    }
+    assert len(files) >= 18 and all(spec.startswith("datasets/") for _, spec in files), files

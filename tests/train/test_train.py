@@ -1,6 +1,7 @@
 """The shared loop: end to end on a tiny target, resume, NaN stop, corrupt checkpoints,
 offline features, and 1 vs 2 processes."""
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -10,9 +11,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from benchmarks.tiny_target import TINY_DRAFTERS
+from benchmarks.tiny_target import TINY_RUNS
 from draftsmith import DraftsmithError
 from draftsmith.eval.report import REPORT_KEYS
+from draftsmith.models.registry import DRAFTERS
 from draftsmith.train import checkpoint
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import train
@@ -80,8 +82,8 @@ def test_train_end_to_end_writes_drafter_and_eval_report(tiny_target_dir, other_
     with pytest.raises(DraftsmithError, match="trained for target"):
         load_drafter(run / "final", other)
     mine, _ = load_target(str(tiny_target_dir))
-    module, _, drafter = load_drafter(run / "final", mine)  # loads standalone, without the run's config
-    assert module.NAME == "eagle"
+    family, _, drafter = load_drafter(run / "final", mine)  # loads standalone, without the run's config
+    assert family.NAME == "eagle"
 
 
 # Medusa-2 trains the target through LoRA, heads only for 2 steps, then jointly: its checkpoints
@@ -94,13 +96,22 @@ MEDUSA2 = {
     "drafter.lora_rank": 4,
     "drafter.heads_only_steps": 2,
 }
+# Every registered family at its tiny size and its LoRA variant (benchmarks/tiny_target.py, from the
+# registry), and Medusa-2 in two stages.
+RUNS = {**TINY_RUNS, "medusa2-staged": MEDUSA2}
 
 
-DISTILL = {"drafter.type": "distill", "drafter.num_layers": 1}
+@pytest.fixture(scope="module")
+def target3_dir(tmp_path_factory):
+    """Three layers: what the families' tiny sizes take (EAGLE-3's three distinct aux layers)."""
+    from tests.conftest import save_target
+
+    return save_target(tmp_path_factory.mktemp("target3"), layers=3)
 
 
-@pytest.mark.parametrize("family", [{}, MEDUSA2, DISTILL], ids=["eagle", "medusa2", "distill"])
-def test_resume_after_interruption_matches_uninterrupted(tiny_target_dir, chat_jsonl, tmp_path, monkeypatch, family):
+@pytest.mark.parametrize("run", RUNS)
+def test_resume_after_interruption_matches_uninterrupted(target3_dir, chat_jsonl, tmp_path, monkeypatch, run):
+    family, tiny_target_dir = RUNS[run], target3_dir
     full = train(load_config(None, _overrides(tiny_target_dir, chat_jsonl, tmp_path / "a", save_every=3, **family)))
 
     real_save = checkpoint.save
@@ -204,27 +215,21 @@ def test_the_two_process_tests_share_one_xdist_worker(request):
     )
 
 
-def _tiny(family: str) -> dict:
-    """A family's tiny settings (benchmarks/tiny_target.py) for this 2-layer target: one aux layer."""
-    return {k: json.dumps(v) for k, v in {**TINY_DRAFTERS[family], "drafter.aux_layers": [0]}.items()}
+# The draws each rank makes from its own generator (EAGLE's feature noise, P-EAGLE's sampled mask
+# slots): off, in whichever family's config has them, so 1 and 2 processes train on the same.
+NO_DRAWS = {"feature_noise": 0, "keep_ratio": 1, "keep_min": 1}
+
+
+def _without_draws(run: dict) -> dict:
+    fields = {f.name for f in dataclasses.fields(DRAFTERS[run["drafter.type"]].DrafterConfig)}
+    return {**run, **{f"drafter.{k}": v for k, v in NO_DRAWS.items() if k in fields}}
 
 
 @MULTIPROCESS
-@pytest.mark.parametrize(
-    "family",
-    [
-        {"drafter.feature_noise": 0},
-        {"drafter.type": "medusa", "drafter.num_heads": 2},
-        MEDUSA2,
-        DISTILL,
-        # the block backbone with both extra heads (Markov, confidence), and with the convolutions and selector
-        {"drafter.type": "dspark", **_tiny("dspark")},
-        {"drafter.type": "dflash2", **_tiny("dflash2")},
-    ],
-    ids=["eagle", "medusa", "medusa2", "distill", "dspark", "dflash2"],
-)
+@pytest.mark.parametrize("run", RUNS)
 @pytest.mark.fp32_exact
-def test_two_processes_match_one_process_with_the_same_global_batch(tiny_target_dir, chat_jsonl, tmp_path, family):
+def test_two_processes_match_one_process_with_the_same_global_batch(target3_dir, chat_jsonl, tmp_path, run):
+    family, tiny_target_dir = _without_draws(RUNS[run]), target3_dir
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
     common = _overrides(tiny_target_dir, chat_jsonl, tmp_path, **{**family, "optim.max_steps": 4})
     recipe = tmp_path / "empty.yaml"

@@ -134,24 +134,24 @@ def test_a_bf16_autocast_step_at_lr_2e5_changes_full_weights_as_an_fp32_step_doe
     so AdamW's first step (about lr x sign(grad) per weight) lands as in fp32; on bf16 weights most
     of it would round away (checked below on the same update)."""
     from draftsmith.data.batching import build_dataset, collate
-    from draftsmith.models.registry import drafter_module
+    from draftsmith.models.registry import drafter_family
     from draftsmith.target.features import target_features
     from draftsmith.target.load import load_target
 
-    module = drafter_module(family)
-    dcfg = module.DrafterConfig(**cfg)
+    fam = drafter_family(family)
+    dcfg = fam.DrafterConfig(**cfg)
 
     def one_step(dtype: str):
         target, tok = load_target(str(tiny_target_dir), dtype)
         ds = build_dataset(str(chat_jsonl), tok, 48)
         torch.manual_seed(0)
-        drafter = module.build(dcfg, target, ds)
+        drafter = fam.build(dcfg, target, ds)
         params = {n: p for n, p in drafter.named_parameters() if p.requires_grad and "heads." not in n}
         before = {n: p.detach().clone() for n, p in params.items()}
         batch = collate([ds[i] for i in range(4)], tok.pad_token_id)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
-            feats = target_features(target, batch, module.feature_names(dcfg, target.config))
-            loss, n, _ = module.compute_loss(drafter, target, batch, feats, dcfg)
+            feats = target_features(target, batch, fam.feature_names(dcfg, target.config))
+            loss, n, _ = fam.compute_loss(drafter, target, batch, feats, dcfg)
         (loss / n).backward()
         torch.optim.AdamW(params.values(), lr=2e-5, weight_decay=0.0).step()
         assert all(p.dtype == torch.float32 for p in params.values())  # fp32 masters on a bf16 target too
