@@ -119,3 +119,27 @@ def test_block_step_cost_times_a_real_step_and_counts_every_trained_slot(family,
     r = block_step_cost.measure(family, cfg, target, batch, draft_vocab=32, reps=1)
     assert r["slot_rows"] == 2 * 5 * (cfg.block_size - 1)  # 5 anchors per sequence, B-1 slots each
     assert min(r["step_s"], r["full_vocab_s"], r["draft_vocab_s"]) > 0
+
+
+def test_train_throughput_times_every_family_in_parts_that_add_up_to_the_step(tmp_path, chat_jsonl):
+    """Every registered family, one timed step on a 3-layer tiny target (the families' tiny sizes): the
+    parts (features, drafter, logits, loss, backward, optimizer) are each >= 0 and add up to the step,
+    and the padding share is the batches' padded positions (chat answers of several lengths: > 0)."""
+    import json
+
+    from benchmarks import train_throughput
+    from draftsmith.models.registry import DRAFTERS
+    from tests.conftest import save_target
+
+    target = save_target(tmp_path / "target", layers=3)
+    out = tmp_path / "throughput.json"
+    argv = ["--target", str(target), "--data", str(chat_jsonl), "--dtypes", "float32", "--steps", "1"]
+    train_throughput.main([*argv, "--examples", "48", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["family"] for r in rows] == list(DRAFTERS)
+    for r in rows:
+        shares = r["share"]
+        assert set(shares) == set(train_throughput.PARTS) and min(shares.values()) >= 0, r
+        assert 0.97 < sum(shares.values()) <= 1.0 + 1e-6, r  # the step is exactly these parts' clocks
+        assert shares["logits"] > 0 and r["tokens_per_s"] > r["trained_tokens_per_s"] > 0, r
+        assert 0 < r["padding"] < 0.5, r
