@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from draftsmith.models.registry import drafter_family
+from draftsmith.target.features import greedy_ids, stored_names
 from draftsmith.target.load import load_target
 from draftsmith.util import precision
 
@@ -73,7 +74,10 @@ def train_step_s(target, dtype: torch.dtype, batch: int = 4, length: int = 128) 
     )
     h = target.config.hidden_size
     names = family.feature_names(cfg, target.config)
-    feats = {n: torch.randn(batch, length, h, generator=g).to(next(target.parameters()).dtype) for n in names}
+    dtype_t = next(target.parameters()).dtype
+    feats = {n: torch.randn(batch, length, h, generator=g).to(dtype_t) for n in stored_names(names)}
+    if "argmax" in names:  # derived from last_hidden, once per example (as a feature cache does)
+        feats["argmax"] = greedy_ids(target, feats["last_hidden"])
     b = {
         "input_ids": ids,
         "attention_mask": torch.ones_like(ids),

@@ -1,7 +1,7 @@
 """Where a training step's time goes, per drafter family and precision.
 
     python -m benchmarks.train_throughput [--target smollm2-135m] [--families eagle3,dflash,...]
-        [--dtypes bfloat16,float32] [--steps 4] [--examples 64] [--out throughput.json]
+        [--dtypes bfloat16,float32] [--steps 4] [--examples 64] [--features online|cache] [--out throughput.json]
 
 For each family, its CPU recipe (the first `recipes/cpu/*.yaml` whose `drafter.type` it is; on a
 target folder other than the embedded one, the family's tiny sizes from its record instead) trains
@@ -10,8 +10,10 @@ size, length-grouped batches of the recipe's data read without regeneration, bf1
 the forward where the precision is bf16, AdamW over the family's parameter groups). Each step is
 timed in parts, each with its own clock:
 
-- `features`: the frozen target's forward that computes the features the family trains on (what an
-  offline feature cache pays once instead of every epoch);
+- `features`: the frozen target's forward that computes the features the family trains on, or with
+  `--features cache` reading them from an offline feature cache built (untimed) before, as recipes
+  with `data.offline_features: auto` train after their first pass (derived features such as
+  `argmax` are taken in an untimed pass over the batches first: a later epoch's step);
 - `drafter`: the family's forward (`compute_loss`) less the two parts below;
 - `logits`: the output heads (the target's lm_head, a drafter's own `lm_head`/`lm_heads`), forward
   and backward, timed by module hooks;
@@ -29,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -40,9 +44,10 @@ import torch
 import yaml
 
 from draftsmith.data.batching import build_dataset, collate, epoch_batches
+from draftsmith.data.features import FeatureCache, write_cache
 from draftsmith.models.registry import DRAFTERS
-from draftsmith.target.features import target_features
-from draftsmith.target.load import load_target
+from draftsmith.target.features import DERIVED, target_features
+from draftsmith.target.load import fingerprint, load_target
 from draftsmith.train.config import drafter_config, load_config
 from draftsmith.util import losses, precision
 
@@ -65,6 +70,7 @@ class Clock:
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
         self.on = False
+        self.in_step = False  # inside the family's forward or backward: head time counts as `logits` there only
 
     @contextmanager
     def part(self, name: str):
@@ -84,7 +90,7 @@ def time_heads(modules: list[torch.nn.Module], clock: Clock) -> list:
 
     def post(key):
         def hook(*_):
-            if clock.on and key in started:
+            if clock.on and clock.in_step and key in started:
                 clock.seconds["logits" if key[1] == "fwd" else "logits_bwd"] += time.perf_counter() - started.pop(key)
 
         return hook
@@ -104,10 +110,18 @@ def timed_losses(clock: Clock):
     (its own imported name, or an entry of a table such as TOKEN_LOSSES)."""
     originals = {name: fn for name, fn in vars(losses).items() if callable(fn) and fn.__module__ == losses.__name__}
 
+    depth = [0]  # a loss calling another (jensen_shannon -> _log_probs) is timed once, outermost
+
     def timed(fn):
         def wrapper(*args, **kwargs):
-            with clock.part("loss"):
-                return fn(*args, **kwargs)
+            depth[0] += 1
+            try:
+                if depth[0] > 1:
+                    return fn(*args, **kwargs)
+                with clock.part("loss"):
+                    return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
 
         return wrapper
 
@@ -133,8 +147,12 @@ def heads_of(drafter: torch.nn.Module, target) -> list[torch.nn.Module]:
     return list({id(m): m for m in heads}.values())  # one shared head is timed once
 
 
-def measure(family_name: str, cfg, target, tok, dtype: str, steps: int, examples: int) -> dict:
-    """One family in one precision: `steps` timed micro-batches after one warm-up -> the row."""
+def measure(
+    family_name: str, cfg, target, tok, dtype: str, steps: int, examples: int, cached: bool = False, derived=True
+) -> dict:
+    """One family in one precision: `steps` timed micro-batches after one warm-up -> the row.
+    `derived=False` withholds derived features (`argmax`): the family computes what it needs from the
+    target's full logits at every step, as before they existed (the ablation of --no-derived)."""
     family = DRAFTERS[family_name]
     dcfg = family.resolve(drafter_config(cfg), target.config)
     ds = build_dataset(cfg.data.train, tok, cfg.data.max_length, examples, split=cfg.data.split)
@@ -147,6 +165,16 @@ def measure(family_name: str, cfg, target, tok, dtype: str, steps: int, examples
     groups = family.param_groups(drafter, dcfg, cfg.optim.lr)
     optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas)
     names = family.feature_names(dcfg, target.config)
+    features = (lambda batch: target_features(target, batch, names)) if names else (lambda batch: {})
+    if cached and names:  # an offline cache, as `data.offline_features: auto` builds one
+        folder = Path(tempfile.mkdtemp(prefix="throughput-"))
+        fp = fingerprint(target)
+        features = FeatureCache(write_cache(target, ds, names, folder / "f", fp, tok.pad_token_id), names, fp, target)
+        for rows in batches:  # an epoch before: what a cache derives once per example is there
+            features(collate([ds[j] for j in rows], tok.pad_token_id))
+    if not derived:
+        given = features
+        features = lambda batch: {k: v for k, v in given(batch).items() if k not in DERIVED}  # noqa: E731
     bf16 = dtype == "bfloat16"
     clock, real, trained, positions, step_s = Clock(), 0, 0, 0, 0.0
     handles = time_heads(heads_of(drafter, target), clock)
@@ -156,11 +184,13 @@ def measure(family_name: str, cfg, target, tok, dtype: str, steps: int, examples
             batch = collate([ds[j] for j in rows], tok.pad_token_id)
             start = time.perf_counter()
             with clock.part("features"), torch.no_grad():
-                feats = target_features(target, batch, names) if names else {}
+                feats = features(batch)
+            clock.in_step = True  # (a derived feature's lm_head pass above is the features' time)
             with clock.part("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 loss_sum, n_tok, _ = family.compute_loss(drafter, target, batch, feats, dcfg, step=i)
             with clock.part("backward_all"):
                 (loss_sum / n_tok.clamp(min=1)).backward()
+            clock.in_step = False
             with clock.part("optimizer"):
                 if cfg.optim.clip_grad > 0:
                     torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.optim.clip_grad)
@@ -173,6 +203,8 @@ def measure(family_name: str, cfg, target, tok, dtype: str, steps: int, examples
                 positions += batch["attention_mask"].numel()
     for h in handles:
         h.remove()
+    if cached and names:
+        shutil.rmtree(folder, ignore_errors=True)
     s = clock.seconds
     parts = {
         "features": s["features"],
@@ -185,6 +217,8 @@ def measure(family_name: str, cfg, target, tok, dtype: str, steps: int, examples
     return {
         "family": family_name,
         "dtype": dtype,
+        "features": "cache" if cached and names else "online",
+        "derived": derived,
         "steps": steps,
         "batch_size": cfg.optim.batch_size,
         "step_ms": 1000 * step_s / steps,
@@ -215,6 +249,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--examples", type=int, default=64)
     p.add_argument("--data", default="", help="training data instead of each recipe's")
+    p.add_argument("--features", choices=["online", "cache"], default="online")
+    p.add_argument("--no-derived", action="store_true", help="withhold derived features (argmax): the ablation")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     tiny = Path(args.target).is_dir()  # a target folder (tests): every family at its tiny sizes
@@ -228,11 +264,12 @@ def main(argv=None) -> None:
             if tiny:
                 drafter = {k: v for k, v in cfg.drafter.items() if k == "type"} | DRAFTERS[name].tiny
                 cfg = replace(cfg, drafter=drafter)
-            rows.append(measure(name, cfg, target, tok, dtype, args.steps, args.examples))
+            cached = args.features == "cache"
+            rows.append(measure(name, cfg, target, tok, dtype, args.steps, args.examples, cached, not args.no_derived))
             print(table(rows[-1:]).splitlines()[-1] if len(rows) > 1 else table(rows), flush=True)
-    print(f"\n{machine}; target {args.target}\n\n{table(rows)}")
+    print(f"\n{machine}; target {args.target}; features {args.features}\n\n{table(rows)}")
     if args.out:
-        out = {"machine": machine, "target": args.target, "steps": args.steps, "rows": rows}
+        out = {"machine": machine, "target": args.target, "steps": args.steps, "features": args.features, "rows": rows}
         Path(args.out).write_text(json.dumps(out, indent=1))
 
 

@@ -100,6 +100,7 @@ def features(args: FeaturesArgs, recipe: RecipeData, feature_names: Callable[[An
     `feature_names`, passed in by the entry point, train/commands.py `run_features`)."""
     from draftsmith.data.batching import build_dataset
     from draftsmith.data.pipeline import write_features
+    from draftsmith.target.features import stored_names
     from draftsmith.target.load import fingerprint, load_target
 
     data = recipe.data
@@ -113,7 +114,7 @@ def features(args: FeaturesArgs, recipe: RecipeData, feature_names: Callable[[An
         malformed=data.malformed,
         chat=thinking_kwargs(data.thinking),
     )
-    names = feature_names(target.config)
+    names = stored_names(feature_names(target.config))  # derived ones are computed when the cache is read
     out = write_features(
         data,
         target,

@@ -21,6 +21,7 @@ from draftsmith.data.features import write_cache, write_cache_vllm
 from draftsmith.data.load import thinking_kwargs
 from draftsmith.data.regenerate import cached_regeneration, regeneration_counts, regeneration_path, sampling_of
 from draftsmith.data.sharding import Shard
+from draftsmith.target.features import stored_names
 from draftsmith.target.load import cache_root, resolve_target
 
 
@@ -47,6 +48,7 @@ def training_data(
     accounting goes to `run_dir`/data.json; `eval_sampling`: the eval's (temperature, top_p)."""
     train_data, cache = data.train, data.offline_features
     chat = thinking_kwargs(data.thinking)
+    names = stored_names(names)  # what a cache holds: a derived feature is computed when read (FeatureCache)
     if data.regenerate:
         train_data, cache = _regenerated(
             data, target, tok, fp, names, shard, chat, target_name, target_dtype, cache_dir

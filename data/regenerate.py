@@ -37,6 +37,7 @@ from draftsmith.data.features import ShardWriter
 from draftsmith.data.load import answer_points, encode_prompt, load_conversations, require_chat_template
 from draftsmith.data.sharding import Shard
 from draftsmith.target import vllm_server
+from draftsmith.target.features import stored_names
 from draftsmith.target.generate import generate_batch
 from draftsmith.target.load import eos_ids
 from draftsmith.util.kernels import packed_linears
@@ -150,7 +151,7 @@ def regenerate(
     shard.barrier()
     done = set().union(*(_done_ids(f, own=False) for f in _partials(out)))
     shard.barrier()
-    names = names if features_in_pass(convs) else ()
+    names = stored_names(names) if features_in_pass(convs) else ()  # a derived feature is computed when read
     writer = None
     if names:
         if features_out is None:

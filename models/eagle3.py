@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar, overload
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
@@ -44,7 +45,7 @@ from draftsmith.models.formats import (
     write_tensors,
 )
 from draftsmith.models.training import draft_vocab, target_label_rows, to_target_vocab
-from draftsmith.target.features import draft_embeddings, target_features
+from draftsmith.target.features import draft_embeddings, target_features, whole_weight
 from draftsmith.target.load import resolve_target, served_name
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, topk_distillation_loss
 from draftsmith.util.masks import causal_mask, ttt_mask
@@ -191,6 +192,13 @@ def feature_names(cfg: BodyConfig, target_config) -> tuple[str, ...]:
     # The three fused layers, plus the last (post-norm) hidden state whose lm_head gives the
     # target distribution the loss matches.
     return tuple(f"hidden.{a}" for a in aux_layers(cfg, target_config)) + ("last_hidden",)
+
+
+def training_features(cfg: BodyConfig, target_config) -> tuple[str, ...]:
+    """What training reads (the record's `feature_names`): the drafting features, plus the target's
+    greedy tokens (`argmax`, derived once per example) that tell which labels are in the draft
+    vocabulary. Drafting reads `feature_names` alone."""
+    return feature_names(cfg, target_config) + ("argmax",)
 
 
 def add_body(
@@ -355,16 +363,29 @@ def aux_features(feats: dict, names: tuple[str, ...]) -> torch.Tensor:
     return torch.cat([feats[n] for n in names if n.startswith("hidden.")], dim=-1)
 
 
-def teacher_rows(core, lm_head, ids, lmask, last):
-    """The target's draft-vocabulary distribution at every position that is some draft's label
-    (position p is the label position of token p+1, counted iff lmask[p+1]), computed once in
-    chunks over the full vocabulary -> (row_of [B, T]: position -> row or -1, logits [rows, V_draft],
-    keep [rows]: 1 where the target's argmax is in the draft vocabulary, where EAGLE-3 trains)."""
+def teacher_rows(core, lm_head, ids, lmask, last, argmax=None):
+    """The target's draft-vocabulary logits at every position that is some draft's label (position p
+    is the label position of token p+1, counted iff lmask[p+1]) -> (row_of [B, T]: position -> row or
+    -1, logits [rows, V_draft], keep [rows]: 1 where the target's argmax is in the draft vocabulary,
+    where EAGLE-3 trains). With the `argmax` feature [B, T] (the target's greedy tokens, taken once
+    per example) only the draft vocabulary's rows of lm_head are multiplied, V_draft wide instead of V
+    (6x fewer for 8,192 of SmolLM2's 49,152: a cached EAGLE-3 step 1.19x faster in bf16,
+    docs/benchmarks.md); without it, or on a sharded lm_head, the full vocabulary is scored in chunks
+    and cut down, as the argmax needs."""
     need = torch.nn.functional.pad(lmask[:, 1:].bool(), (0, 1))  # [B, T]: the last position labels nothing
-    row_of, (logits, keep) = target_label_rows(
-        lm_head, last, need, lambda full: (full[:, core.t2d], core.t2d[full.argmax(-1)].float())
-    )
-    return row_of, logits, keep
+    weight = whole_weight(lm_head)
+    if argmax is None or weight is None:
+        row_of, (logits, keep) = target_label_rows(
+            lm_head, last, need, lambda full: (full[:, core.t2d], core.t2d[full.argmax(-1)].float())
+        )
+        return row_of, logits, keep
+    nb, np_ = need.nonzero(as_tuple=True)
+    row_of = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
+    row_of[nb, np_] = torch.arange(len(nb), device=need.device)
+    rows, draft_rows = last[nb, np_].to(weight.dtype), weight[core.t2d]  # t2d: draft ids in target-id order
+    chunks = range(0, max(len(rows), 1), 4096)  # one call on no rows: an empty [0, V_draft]
+    logits = torch.cat([F.linear(rows[c : c + 4096], draft_rows).float() for c in chunks])
+    return row_of, logits, core.t2d[argmax[nb, np_]].float()
 
 
 def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0, forward=None):
@@ -383,7 +404,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     ids_ext = torch.nn.functional.pad(ids, (0, cfg.ttt_steps + 1))
     lmask_ext = torch.nn.functional.pad(lmask, (0, cfg.ttt_steps + 1))
     with torch.no_grad():
-        row_of, draft_all, keep_all = teacher_rows(drafter, lm_head, ids, lmask, last)
+        row_of, draft_all, keep_all = teacher_rows(drafter, lm_head, ids, lmask, last, feats.get("argmax"))
         selections, labels = [], []
         for j in range(cfg.ttt_steps):
             # Step j of chain r predicts t_{r+j+2}: counted iff that token exists and is trained
@@ -676,7 +697,7 @@ def _speculators_first_step(model, aux: torch.Tensor, next_ids: torch.Tensor, po
 FAMILY = Family(
     NAME=NAME,
     DrafterConfig=DrafterConfig,
-    feature_names=feature_names,
+    feature_names=training_features,
     build=build,
     rebuild=rebuild,
     compute_loss=compute_loss,

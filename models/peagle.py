@@ -46,6 +46,7 @@ from draftsmith.models.eagle3 import (
     speculators_load_check,
     target_vocab_logits,
     teacher_rows,
+    training_features,
     write_speculators,
 )
 from draftsmith.models.eagle3 import build as build_eagle3
@@ -186,7 +187,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     t = ids.shape[1] - 1
     with torch.no_grad():
         row_of, draft_all, keep_all = teacher_rows(
-            drafter, target.get_output_embeddings(), ids, lmask, feats["last_hidden"]
+            drafter, target.get_output_embeddings(), ids, lmask, feats["last_hidden"], feats.get("argmax")
         )
         chains = sample_chains(row_of, t, cfg)
     embed = draft_embeddings(target)
@@ -363,7 +364,7 @@ def activation_bytes(cfg: DrafterConfig, tc, drafter, batch: int, length: int, e
 FAMILY = Family(
     NAME=NAME,
     DrafterConfig=DrafterConfig,
-    feature_names=feature_names,
+    feature_names=training_features,
     max_draft_depth=max_draft_depth,
     build=build,
     rebuild=rebuild,

@@ -9,18 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.target.features import max_over_ranks
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-
-def max_over_ranks(n: int, device: torch.device) -> int:
-    """The largest n of all ranks when a process group runs (n itself in one process)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return n
-    t = torch.tensor([n], device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return int(t.item())
 
 
 def target_label_rows(lm_head, last: torch.Tensor, need: torch.Tensor, reduce):

@@ -143,3 +143,7 @@ def test_train_throughput_times_every_family_in_parts_that_add_up_to_the_step(tm
         assert 0.97 < sum(shares.values()) <= 1.0 + 1e-6, r  # the step is exactly these parts' clocks
         assert shares["logits"] > 0 and r["tokens_per_s"] > r["trained_tokens_per_s"] > 0, r
         assert 0 < r["padding"] < 0.5, r
+    # From an offline cache (as the quickstart trains after its first pass): the same parts.
+    train_throughput.main([*argv, "--examples", "48", "--features", "cache", "--families", "eagle3", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["features"] == "cache" and 0.97 < sum(row["share"].values()) <= 1.0 + 1e-6, row

@@ -241,7 +241,8 @@ def load_target_and_data(run: Run) -> None:
         eval_sampling=(cfg.eval.temperature, cfg.eval.top_p),
     )
     if cache:
-        run.features = FeatureCache(cache, names, run.fp)
+        # A sharded target's lm_head is gathered by all ranks together: no per-example derivation there.
+        run.features = FeatureCache(cache, names, run.fp, None if sharded_target else target)
     else:
         run.features = (lambda batch: target_features(target, batch, names)) if names else (lambda batch: {})
 

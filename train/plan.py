@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from draftsmith import DraftsmithError
 from draftsmith.models.known import model_config
 from draftsmith.models.registry import drafter_family
+from draftsmith.target.features import feature_width
 from draftsmith.train.config import Config, drafter_config
 from draftsmith.util import precision
 
@@ -77,7 +78,7 @@ def sizes(cfg: Config, tc) -> Sizes:
     # its logits to fp32.
     e = 4 if precision.canonical(cfg.optim.mixed_precision, "optim.mixed_precision") == "float32" else 2
     names = family.feature_names(dcfg, tc)
-    feat_dims = sum(int(x.split(".")[1]) * 2 + 1 if x.startswith("logits_topk.") else tc.hidden_size for x in names)
+    feat_dims = sum(feature_width(x, tc.hidden_size) for x in names)
     # What is live at the step's peak: the [n, vocab] fp32 buffers of the family's loss (counted in its
     # compute_loss; benchmarks/memory.py measures them) plus the activations of the layers it trains.
     act = family.activation_bytes(dcfg, tc, drafter, B, T, e)

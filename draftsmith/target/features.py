@@ -18,11 +18,15 @@ def target_features(target, batch: dict, names: tuple[str, ...], cache=None) -> 
       transformers, whose entry 0 is the embedding output;
     - `logits_topk.K`: the target's K largest next-token logits, their token ids and the log-sum-exp
       over the whole vocabulary, packed as [..., 2K+1] fp32 (`topk_logits`): what a distilled student
-      needs of the teacher when its last hidden state (H numbers) is more than 2K+1.
+      needs of the teacher when its last hidden state (H numbers) is more than 2K+1;
+    - `argmax`: the target's greedy next token at each position [B, T] (long), its lm_head's argmax
+      over `last_hidden`: a training label, derived (`DERIVED`): caches store `last_hidden` only and
+      their reader derives it once per example (data/features.py FeatureCache).
     """
     aux = [int(n.split(".")[1]) for n in names if n.startswith("hidden.")]
     topk = [n for n in names if n.startswith("logits_topk.")]
-    unknown = [n for n in names if n != "last_hidden" and not n.startswith(("hidden.", "logits_topk."))]
+    known = ("last_hidden", *DERIVED)
+    unknown = [n for n in names if n not in known and not n.startswith(("hidden.", "logits_topk."))]
     if unknown:
         raise DraftsmithError(f"feature contract: unknown target features {unknown}")
     out = target.get_decoder()(
@@ -38,7 +42,61 @@ def target_features(target, batch: dict, names: tuple[str, ...], cache=None) -> 
         feats[f"hidden.{a}"] = out.hidden_states[a + 1]
     for name in topk:
         feats[name] = topk_logits(target.get_output_embeddings()(out.last_hidden_state), int(name.split(".")[1]))
+    if "argmax" in names:
+        feats["argmax"] = greedy_ids(target, out.last_hidden_state)
     return feats if set(names) == set(feats) else {n: feats[n] for n in names}
+
+
+# Features derived from a stored one rather than stored: name -> the feature it is computed from.
+# An EAGLE-3 head's loss needs, at every trained position, whether the target's choice is in its
+# draft vocabulary, i.e. the argmax over all V logits: a pure function of the example, so it is taken
+# once per example (the first epoch) instead of a V-wide lm_head pass at every step of every epoch.
+DERIVED = {"argmax": "last_hidden"}
+
+
+def stored_names(names) -> tuple[str, ...]:
+    """What a feature cache holds for `names`: the derived ones replaced by what they derive from."""
+    out = [n for n in names if n not in DERIVED]
+    return tuple(out + [DERIVED[n] for n in names if n in DERIVED and DERIVED[n] not in out])
+
+
+def max_over_ranks(n: int, device: torch.device) -> int:
+    """The largest n of all ranks when a process group runs (n itself in one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return n
+    t = torch.tensor([n], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
+
+
+def whole_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """`module.weight` where this process holds all of it; None where it is sharded (DeepSpeed ZeRO-3
+    partitions it, FSDP2 makes it a DTensor): there only the module's own call, made by every rank
+    together, gathers it (models/training.py target_label_rows)."""
+    w = module.weight
+    return None if hasattr(w, "ds_id") or type(w.data).__name__ == "DTensor" else w
+
+
+@torch.no_grad()
+def greedy_ids(target, last: torch.Tensor, chunk: int = 4096, all_ranks: bool = True) -> torch.Tensor:
+    """The `argmax` feature: last_hidden [..., T, H] -> the target's greedy token [..., T] (long),
+    `chunk` rows at a time through its lm_head module. `all_ranks` (every rank of a launch calls it
+    together, as target_features is called in training): each rank makes as many calls as the rank
+    with the most chunks, since a sharded lm_head (ZeRO-3, FSDP) is gathered by all of them per call.
+    A call made by one rank alone (`all_ranks=False`) is for a target each rank holds whole."""
+    head = target.get_output_embeddings()
+    rows = last.reshape(-1, last.shape[-1]).to(head.weight.dtype)
+    n = -(-rows.shape[0] // chunk)
+    calls = max(max_over_ranks(n, rows.device) if all_ranks else n, 1)  # one call on no rows: empty
+    ids = [head(rows[c * chunk : (c + 1) * chunk]).argmax(-1) for c in range(calls)]
+    return torch.cat(ids).reshape(last.shape[:-1])
+
+
+def feature_width(name: str, hidden_size: int) -> int:
+    """Numbers per token of a feature: H for hidden states, 2K+1 for `logits_topk.K`, 1 for `argmax`."""
+    if name.startswith("logits_topk."):
+        return int(name.split(".")[1]) * 2 + 1
+    return 1 if name in DERIVED else hidden_size
 
 
 def draft_embeddings(target):

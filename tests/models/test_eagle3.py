@@ -169,3 +169,54 @@ def test_eagle31_ttt_unroll_matches_the_proposers_steps(tiny_target, switches):
 def test_fc_norm_with_norm_before_fc_is_a_one_line_error():
     with pytest.raises(DraftsmithError, match="drafter.fc_norm and drafter.norm_before_fc: choose one"):
         eagle3.DrafterConfig(fc_norm=True, norm_before_fc=True)
+
+
+@pytest.fixture(scope="module")
+def target3(tmp_path_factory):
+    from draftsmith.target.load import load_target
+    from tests.conftest import save_target
+
+    return load_target(str(save_target(tmp_path_factory.mktemp("target3"), layers=3)), "float32")[0]
+
+
+def _argmax_families():
+    """The families that train on the target's greedy tokens (`argmax`), from the registry."""
+    from draftsmith.models.registry import DRAFTERS
+
+    return [n for n, f in DRAFTERS.items() if f.feature_names is eagle3.training_features]
+
+
+@pytest.mark.fp32_exact
+@pytest.mark.parametrize("name", _argmax_families())
+def test_the_draft_vocabulary_teacher_gives_the_full_vocabularys_loss_and_gradients(target3, name):
+    """With the `argmax` feature the teacher multiplies only the draft vocabulary's lm_head rows; the
+    loss and every gradient equal those of the full-vocabulary teacher (no `argmax`: V-wide logits cut
+    down, as before), on a padded batch whose loss mask leaves prompts out."""
+    from draftsmith.models.registry import DRAFTERS
+
+    family = DRAFTERS[name]
+    torch.manual_seed(0)
+    cfg = family.resolve(family.DrafterConfig(**family.tiny), target3.config)
+    ids = torch.randint(5, 90, (3, 14))
+    attn = torch.ones_like(ids)
+    attn[1, 10:] = 0  # a shorter example, padded
+    lmask = attn.clone()
+    lmask[:, :4] = 0  # its prompt
+    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": lmask}
+    drafter = family.build(cfg, target3, {"input_ids": ids.tolist(), "loss_mask": lmask.tolist()})
+    feats = target_features(target3, batch, family.feature_names(cfg, target3.config))
+    assert feats["argmax"].shape == ids.shape and feats["argmax"].dtype == torch.long
+    results = []
+    for with_argmax in (True, False):
+        drafter.zero_grad()
+        torch.manual_seed(1)  # P-EAGLE samples its chains: the same draw for both
+        given = feats if with_argmax else {k: v for k, v in feats.items() if k != "argmax"}
+        loss, n, _ = family.compute_loss(drafter, target3, batch, given, cfg)
+        (loss / n).backward()
+        grads = {k: p.grad.clone() for k, p in drafter.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), int(n), grads))
+    (l1, n1, g1), (l2, n2, g2) = results
+    assert n1 == n2 > 0 and torch.allclose(l1, l2, rtol=1e-5, atol=1e-6), (l1, l2)
+    assert g1.keys() == g2.keys() and len(g1) > 0
+    for k in g1:
+        assert torch.allclose(g1[k], g2[k], rtol=1e-4, atol=1e-6), k
