@@ -257,7 +257,13 @@ def compute_loss(student, target, batch: dict, feats: dict, cfg: DrafterConfig, 
             feats = target_features(target, batch, feature_names(cfg, target.config))
     ids, lmask = batch["input_ids"], batch["loss_mask"].bool()
     rows = lmask[:, 1:].nonzero(as_tuple=True)
-    logits = forward(input_ids=ids, attention_mask=batch.get("attention_mask")).logits[rows]
+    # The student's lm_head runs only at the positions some row trains (their union over the batch:
+    # transformers' `logits_to_keep`), not at every prompt and padding position; then each row's own.
+    keep = lmask[:, 1:].any(0).nonzero().squeeze(1)
+    column = torch.full((ids.shape[1],), -1, dtype=torch.long, device=ids.device)
+    column[keep] = torch.arange(len(keep), device=ids.device)
+    out = forward(input_ids=ids, attention_mask=batch.get("attention_mask"), logits_to_keep=keep)
+    logits = out.logits[rows[0], column[rows[1]]]
     if cfg.offline_topk:  # K+1 classes for both; the student's keep their gradient
         teacher, logits = topk_classes(feats[f"logits_topk.{cfg.offline_topk}"][rows], logits)
     else:

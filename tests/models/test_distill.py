@@ -259,3 +259,46 @@ def test_a_narrower_student_keeps_the_targets_embeddings_and_attention(tiny_targ
     assert torch.equal(student.model.layers[0].self_attn.q_proj.weight, target.model.layers[0].self_attn.q_proj.weight)
     ids = torch.tensor([tok("say 1")["input_ids"]])
     assert student(ids).logits.shape == target(ids).logits.shape
+
+
+@pytest.mark.fp32_exact
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_student_scores_only_trained_positions_with_the_full_computations_loss_and_gradients(
+    tiny_target, monkeypatch, lora
+):
+    """The student's lm_head runs at the union of trained positions (`logits_to_keep`); the rows the
+    divergence gets, the loss and every gradient equal those of logits at every position cut down to
+    the trained rows (how it was computed before), on a padded batch whose rows train different spans."""
+    from draftsmith.target.features import target_features
+
+    target, _ = tiny_target
+    torch.manual_seed(0)
+    cfg = distill.DrafterConfig(num_layers=1, **({"lora_rank": 4} if lora else {}))
+    student = distill.build(cfg, target)
+    ids = torch.randint(5, 60, (3, 12))
+    attn = torch.ones_like(ids)
+    attn[2, 9:] = 0
+    lmask = torch.zeros_like(ids)
+    lmask[0, 4:], lmask[1, 7:], lmask[2, 5:9] = 1, 1, 1  # prompts of 4, 7 and 5 tokens
+    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": lmask}
+    feats = target_features(target, batch, ("last_hidden",))
+    divergence, seen = distill.DIVERGENCES[cfg.divergence], {}
+
+    def spy(logits, teacher, mask, **kw):
+        seen.update(logits=logits, teacher=teacher, mask=mask, kw=kw)
+        return divergence(logits, teacher, mask, **kw)
+
+    monkeypatch.setitem(distill.DIVERGENCES, cfg.divergence, spy)
+    loss, n, _ = distill.compute_loss(student, target, batch, feats, cfg)
+    (loss / n).backward()
+    ours = {k: p.grad.clone() for k, p in student.named_parameters() if p.grad is not None}
+    student.zero_grad()
+    full = student(input_ids=ids, attention_mask=attn).logits[lmask[:, 1:].bool().nonzero(as_tuple=True)]
+    torch.testing.assert_close(seen["logits"].detach(), full.detach(), rtol=1e-6, atol=1e-6)
+    reference = divergence(full, seen["teacher"], seen["mask"], **seen["kw"])
+    torch.testing.assert_close(loss.detach(), reference.detach(), rtol=1e-6, atol=1e-7)
+    (reference / n).backward()
+    assert len(ours) > 0
+    for k, p in student.named_parameters():
+        if k in ours:
+            torch.testing.assert_close(ours[k], p.grad, rtol=1e-5, atol=1e-7)
