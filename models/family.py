@@ -21,7 +21,8 @@ Cfg = Any  # an instance of the family's DrafterConfig
 Target = Any  # the target: a transformers causal LM
 
 FeatureNames = Callable[[Cfg, Any], tuple[str, ...]]
-"""(cfg, target_config) -> the target features it trains and drafts on (draftsmith/target/features.py)."""
+"""(cfg, target_config) -> the target features it trains on (draftsmith/target/features.py); its
+proposer drafts on those less the training labels (EAGLE-3's derived `argmax`)."""
 MaxDraftDepth = Callable[[Cfg], int | None]
 """(cfg) -> the most draft tokens it proposes per round, or None: as deep as asked."""
 
