@@ -172,17 +172,11 @@ class FeatureCache:
         for name in self.names:
             if name in DERIVED and self.target is None:
                 continue  # see the class docstring
-            if name in DERIVED:  # [B, T]: padding positions read 0 (they carry no loss)
-                ids = [self._derive(name, int(i))[:t] for i in batch["idx"]]
-                out[name] = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True)
-                out[name] = torch.nn.functional.pad(out[name], (0, t - out[name].shape[1])).to(
-                    batch["input_ids"].device
-                )
-                continue
+            read = self._derive if name in DERIVED else self._get  # a derived one is [T], a stored one [T, H]
             # A cached sequence may be longer than the (truncated) example: features of a prefix do
-            # not depend on later tokens (causal), so its first tokens are exact.
-            rows = [self._get(name, int(i))[:t] for i in batch["idx"]]
-            padded = torch.zeros(len(rows), t, rows[0].shape[-1], dtype=rows[0].dtype)
+            # not depend on later tokens (causal), so its first tokens are exact. Padding reads 0.
+            rows = [read(name, int(i))[:t] for i in batch["idx"]]
+            padded = torch.zeros(len(rows), t, *rows[0].shape[1:], dtype=rows[0].dtype)
             for b, r in enumerate(rows):
                 padded[b, : r.shape[0]] = r
             out[name] = padded.to(batch["input_ids"].device)

@@ -44,7 +44,7 @@ from draftsmith.models.formats import (
     vllm_snippet,
     write_tensors,
 )
-from draftsmith.models.training import draft_vocab, target_label_rows, to_target_vocab
+from draftsmith.models.training import draft_vocab, label_rows, target_label_rows, to_target_vocab
 from draftsmith.target.features import draft_embeddings, target_features, whole_weight
 from draftsmith.target.load import resolve_target, served_name
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, topk_distillation_loss
@@ -379,9 +379,7 @@ def teacher_rows(core, lm_head, ids, lmask, last, argmax=None):
             lm_head, last, need, lambda full: (full[:, core.t2d], core.t2d[full.argmax(-1)].float())
         )
         return row_of, logits, keep
-    nb, np_ = need.nonzero(as_tuple=True)
-    row_of = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
-    row_of[nb, np_] = torch.arange(len(nb), device=need.device)
+    nb, np_, row_of = label_rows(need)
     rows, draft_rows = last[nb, np_].to(weight.dtype), weight[core.t2d]  # t2d: draft ids in target-id order
     chunks = range(0, max(len(rows), 1), 4096)  # one call on no rows: an empty [0, V_draft]
     logits = torch.cat([F.linear(rows[c : c + 4096], draft_rows).float() for c in chunks])

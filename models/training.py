@@ -15,6 +15,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
+def label_rows(need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The positions `need` [B, T] marks, as (batch ids, positions, row_of [B, T]: position -> its
+    row among them, or -1): the row order every teacher tensor over those positions follows."""
+    nb, np_ = need.nonzero(as_tuple=True)
+    row_of = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
+    row_of[nb, np_] = torch.arange(len(nb), device=need.device)
+    return nb, np_, row_of
+
+
 def target_label_rows(lm_head, last: torch.Tensor, need: torch.Tensor, reduce):
     """The target's logits at the positions `need` [B, T] marks (some draft's label), computed in
     chunks of 4096 rows over the full vocabulary, one chunk alive at a time, each cut down by
@@ -22,9 +31,7 @@ def target_label_rows(lm_head, last: torch.Tensor, need: torch.Tensor, reduce):
     reduced tensor over all rows]). A sharded target (ZeRO-3, FSDP) gathers lm_head on every call,
     on all ranks together: every rank makes as many calls as the rank with the most rows (extra
     ones on no rows)."""
-    nb, np_ = need.nonzero(as_tuple=True)
-    row_of = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
-    row_of[nb, np_] = torch.arange(len(nb), device=need.device)
+    nb, np_, row_of = label_rows(need)
     calls = max(max_over_ranks(-(-len(nb) // 4096), need.device), 1)  # one call on no rows: empty outputs
     parts = [
         reduce(lm_head(last[nb[c : c + 4096], np_[c : c + 4096]].to(lm_head.weight.dtype)).float())
