@@ -1,12 +1,14 @@
 """Where a training step's time goes, per drafter family and precision.
 
     python -m benchmarks.train_throughput [--target smollm2-135m] [--families eagle3,dflash,...]
-        [--dtypes bfloat16,float32] [--steps 4] [--examples 64] [--features online|cache] [--out throughput.json]
+        [--dtypes bfloat16,float32] [--steps 4] [--examples 64] [--features online|cache] [--packing]
+        [--set key=value ...] [--out throughput.json]
 
 For each family, its CPU recipe (the first `recipes/cpu/*.yaml` whose `drafter.type` it is; on a
 target folder other than the embedded one, the family's tiny sizes from its record instead) trains
 `--steps` micro-batches after one warm-up, exactly as `train/loop.py` steps them (the recipe's batch
-size, length-grouped batches of the recipe's data read without regeneration, bf16 autocast around
+size, length-grouped padded batches of the recipe's data read without regeneration, or with
+`--packing` rows of `data.max_length` tokens packed with whole examples (data/packing.py), bf16 autocast around
 the forward where the precision is bf16, AdamW over the family's parameter groups). Each step is
 timed in parts, each with its own clock:
 
@@ -43,8 +45,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from draftsmith.data.batching import build_dataset, collate, epoch_batches
+from draftsmith.data.batching import build_dataset
 from draftsmith.data.features import FeatureCache, write_cache
+from draftsmith.data.packing import collate_rows, epoch_rows
 from draftsmith.models.registry import DRAFTERS
 from draftsmith.target.features import DERIVED, target_features
 from draftsmith.target.load import fingerprint, load_target
@@ -156,8 +159,9 @@ def measure(
     family = DRAFTERS[family_name]
     dcfg = family.resolve(drafter_config(cfg), target.config)
     ds = build_dataset(cfg.data.train, tok, cfg.data.max_length, examples, split=cfg.data.split)
-    batches = epoch_batches(ds["length"], cfg.optim.batch_size, cfg.optim.seed, 0, cfg.data.group_by_length)
+    batches = epoch_rows(ds["length"], cfg.data, cfg.optim.batch_size, cfg.optim.seed, 0)
     batches = [b for b in batches if len(b) == cfg.optim.batch_size][: steps + 1]
+    packed = cfg.data.packing
     if len(batches) < steps + 1:
         raise SystemExit(f"train_throughput: {len(ds)} examples give fewer than {steps + 1} batches; raise --examples")
     torch.manual_seed(cfg.optim.seed)
@@ -171,7 +175,7 @@ def measure(
         fp = fingerprint(target)
         features = FeatureCache(write_cache(target, ds, names, folder / "f", fp, tok.pad_token_id), names, fp, target)
         for rows in batches:  # an epoch before: what a cache derives once per example is there
-            features(collate([ds[j] for j in rows], tok.pad_token_id))
+            features(collate_rows(ds, rows, tok.pad_token_id, packed))
     if not derived:
         given = features
         features = lambda batch: {k: v for k, v in given(batch).items() if k not in DERIVED}  # noqa: E731
@@ -181,7 +185,7 @@ def measure(
     with timed_losses(clock):
         for i, rows in enumerate(batches):
             clock.on = i > 0  # the first step warms up: allocations, oneDNN's kernel choice
-            batch = collate([ds[j] for j in rows], tok.pad_token_id)
+            batch = collate_rows(ds, rows, tok.pad_token_id, packed)
             start = time.perf_counter()
             with clock.part("features"), torch.no_grad():
                 feats = features(batch)
@@ -221,6 +225,7 @@ def measure(
         "derived": derived,
         "steps": steps,
         "batch_size": cfg.optim.batch_size,
+        "packing": packed,
         "step_ms": 1000 * step_s / steps,
         "tokens_per_s": real / step_s,
         "trained_tokens_per_s": trained / step_s,
@@ -251,6 +256,10 @@ def main(argv=None) -> None:
     p.add_argument("--data", default="", help="training data instead of each recipe's")
     p.add_argument("--features", choices=["online", "cache"], default="online")
     p.add_argument("--no-derived", action="store_true", help="withhold derived features (argmax): the ablation")
+    p.add_argument("--packing", action="store_true", help="packed rows of data.max_length (data.packing: true)")
+    p.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides, e.g. data.max_length=96"
+    )
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     tiny = Path(args.target).is_dir()  # a target folder (tests): every family at its tiny sizes
@@ -259,7 +268,7 @@ def main(argv=None) -> None:
     for dtype in args.dtypes.split(","):
         target, tok = load_target(args.target, dtype)
         for name in args.families.split(","):
-            over = [f"data.train={args.data}"] if args.data else []
+            over = [f"data.train={args.data}"] * bool(args.data) + ["data.packing=true"] * args.packing + args.set
             cfg = load_config(recipe_of(name), over)
             if tiny:
                 drafter = {k: v for k, v in cfg.drafter.items() if k == "type"} | DRAFTERS[name].tiny
@@ -267,9 +276,11 @@ def main(argv=None) -> None:
             cached = args.features == "cache"
             rows.append(measure(name, cfg, target, tok, dtype, args.steps, args.examples, cached, not args.no_derived))
             print(table(rows[-1:]).splitlines()[-1] if len(rows) > 1 else table(rows), flush=True)
-    print(f"\n{machine}; target {args.target}; features {args.features}\n\n{table(rows)}")
+    layout = "packed rows" if args.packing else "padded rows"
+    print(f"\n{machine}; target {args.target}; features {args.features}; {layout}\n\n{table(rows)}")
     if args.out:
-        out = {"machine": machine, "target": args.target, "steps": args.steps, "features": args.features, "rows": rows}
+        out = {"machine": machine, "target": args.target, "steps": args.steps, "features": args.features}
+        out |= {"packing": args.packing, "rows": rows}
         Path(args.out).write_text(json.dumps(out, indent=1))
 
 

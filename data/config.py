@@ -55,6 +55,10 @@ class DataConfig:
     """Keep at most this many training examples (0 = all)."""
     group_by_length: bool = True
     """Batch examples of similar length together to waste less compute on padding."""
+    packing: bool = False
+    """Pack whole examples end to end into rows of `max_length` tokens, each attending only to itself
+    (data/packing.py): a micro-batch is then `optim.batch_size` rows, a fixed token budget with little
+    padding, as speculators and SpecForge batch. Off: one example a row, padded to the longest."""
     offline_features: str = ""
     """Folder written by `draftsmith data features`; `auto` = build it once in the cache dir and reuse
     it (one target pass over the data, then every epoch is drafter-only); empty = online features."""

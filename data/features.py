@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import collate
+from draftsmith.data.packing import document_lengths
 from draftsmith.data.sharding import Shard
 from draftsmith.target.features import DERIVED, greedy_ids, stored_names, target_features
 from draftsmith.target.vllm_features import capture_features
@@ -175,7 +176,13 @@ class FeatureCache:
             read = self._derive if name in DERIVED else self._get  # a derived one is [T], a stored one [T, H]
             # A cached sequence may be longer than the (truncated) example: features of a prefix do
             # not depend on later tokens (causal), so its first tokens are exact. Padding reads 0.
-            rows = [read(name, int(i))[:t] for i in batch["idx"]]
+            if batch["idx"].dim() == 2:  # a packed batch: each row's examples end to end (data/packing.py)
+                rows = [
+                    torch.cat([read(name, int(i))[:n] for i, n in zip(idx, lengths)])
+                    for idx, lengths in zip(batch["idx"], document_lengths(batch))
+                ]
+            else:
+                rows = [read(name, int(i))[:t] for i in batch["idx"]]
             padded = torch.zeros(len(rows), t, *rows[0].shape[1:], dtype=rows[0].dtype)
             for b, r in enumerate(rows):
                 padded[b, : r.shape[0]] = r

@@ -70,6 +70,7 @@ from draftsmith.models.training import (
 from draftsmith.target.features import draft_embeddings
 from draftsmith.target.load import served_name
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, decay_position_weights, dpace_position_weights
+from draftsmith.util.masks import documents, positions, same_document
 from draftsmith.util.precision import keep_rope_fp32
 
 NAME = "dflash"
@@ -374,24 +375,34 @@ def rebuild(meta: dict, target) -> DFlashDrafter:
 # --- training ----------------------------------------------------------------------------------------
 
 
-def sample_anchors(attn: torch.Tensor, lmask: torch.Tensor, n: int) -> list[torch.Tensor]:
-    """Per sequence, up to n anchors, sorted, drawn without replacement (torch's global RNG, so every
-    step draws anew) among positions a >= 1 whose token is real and whose slot-1 label x_{a+1} is
-    trained (SpecForge's rule; a >= 1: at inference the anchor always follows some ctx)."""
-    ok = attn[:, :-1].bool() & lmask[:, 1:].bool()
-    ok[:, 0] = False
+def sample_anchors(
+    docs: torch.Tensor, lmask: torch.Tensor, n: int, pos: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """Per row, up to n anchors per *document* (docs [B, T]: `documents(batch)`; a padded batch's
+    attention_mask is one document a row), sorted, drawn without replacement (torch's global RNG, so
+    every step draws anew) among positions a whose token is real, at position >= 1 within its document
+    (pos [B, T]: `positions(batch)`, default 0..T-1; at inference the anchor always follows some ctx),
+    and whose slot-1 label x_{a+1} is trained and of the same document (SpecForge's rule). Counted per
+    document, as speculators' packing (its PR #1071), so short examples packed beside long ones are not starved."""
+    pos = torch.arange(docs.shape[1], device=docs.device)[None] if pos is None else pos
+    # x_{a+1} is a's label only when it is the same example's next token (never the next example's).
+    ok = same_document(docs, 1)[:, :-1] & lmask[:, 1:].bool() & (pos[:, :-1] >= 1)
     out = []
-    for row in ok:
+    for b, row in enumerate(ok):
         cand = row.nonzero().flatten()
-        out.append(cand[torch.randperm(len(cand), device=cand.device)[:n]].sort().values)
+        # A row's documents are consecutive runs: split its candidates per document, draw n from each.
+        counts = torch.unique_consecutive(docs[b, cand], return_counts=True)[1].tolist() if len(cand) else [0]
+        drawn = [c[torch.randperm(len(c), device=c.device)[:n]] for c in cand.split(counts)]
+        out.append(torch.cat(drawn).sort().values)
     return out
 
 
-def block_inputs(ids, attn, anchors: list[torch.Tensor], block: int, mask_id: int):
+def block_inputs(ids, docs, anchors: list[torch.Tensor], block: int, mask_id: int, positions=None):
     """Packed blocks: sequence b's j-th anchor a fills query slots j*B .. j*B+B-1 (padded to the most
-    blocks of any sequence) -> block ids [Bz, M], positions [Bz, M] (a+k), mask [Bz, 1, M, T+M]:
-    a slot sees ctx keys p < a that are real, and the B keys of its own block (bidirectional);
-    padding slots see themselves only (never a label)."""
+    blocks of any sequence) -> block ids [Bz, M], positions [Bz, M] (a's position in its document + k;
+    positions [Bz, T]: `positions(batch)`, default 0..T-1), mask [Bz, 1, M, T+M]: a slot sees ctx keys
+    p < a that are real tokens of a's document (docs [Bz, T]: `documents(batch)`, or a padded batch's
+    attention_mask), and the B keys of its own block (bidirectional); padding slots see themselves only."""
     bsz, t, device = ids.shape[0], ids.shape[1], ids.device
     m = block * max((len(a) for a in anchors), default=0)
     k = torch.arange(block, device=device)
@@ -399,14 +410,20 @@ def block_inputs(ids, attn, anchors: list[torch.Tensor], block: int, mask_id: in
     block_ids = torch.full((bsz, m), mask_id, dtype=ids.dtype, device=device)
     pos = torch.zeros(bsz, m, dtype=torch.long, device=device)
     anchor_of = torch.zeros(bsz, m, dtype=torch.long, device=device)  # 0: no ctx key
+    doc_of = torch.zeros(bsz, m, dtype=docs.dtype, device=device)  # the anchor's document (0: padding slot)
     group = -1 - q[None].repeat(bsz, 1)  # padding: a group of its own
     for b, a in enumerate(anchors):
         n = len(a) * block
         block_ids[b, :n:block] = ids[b, a]  # slot 0: the anchor (bonus) token
-        pos[b, :n] = (a[:, None] + k).flatten()
+        # RoPE position of slot k: the anchor's position within its own example + k (restarts per example).
+        start = a if positions is None else positions[b, a]
+        pos[b, :n] = (start[:, None] + k).flatten()
         anchor_of[b, :n] = a.repeat_interleave(block)
+        doc_of[b, :n] = docs[b, a].repeat_interleave(block)
         group[b, :n] = q[:n] // block
-    ctx = (torch.arange(t, device=device)[None, None] < anchor_of[:, :, None]) & attn[:, None, :].bool()
+    # ctx keys: before the anchor, real (docs != 0) and of the anchor's own example (per-document attention).
+    before = torch.arange(t, device=device)[None, None] < anchor_of[:, :, None]
+    ctx = before & (docs[:, None, :] != 0) & (docs[:, None, :] == doc_of[:, :, None])
     own = group[:, :, None] == group[:, None, :]
     return block_ids, pos, torch.cat([ctx, own], dim=-1)[:, None]
 
@@ -421,28 +438,33 @@ class Blocks:
     blk_b: torch.Tensor  # [N] the sequence of each block
     blk_j: torch.Tensor  # [N] its index among that sequence's blocks
     lab: torch.Tensor  # [N, B-1] the position a+k of slot k's token x_{a+k}
-    valid: torch.Tensor  # [N, B-1] slot k is trained (a+k < T and x_{a+k} loss-masked)
+    valid: torch.Tensor  # [N, B-1] slot k is trained (a+k < T, x_{a+k} loss-masked and of a's document)
     rows: torch.Tensor  # [N, B-1] the row of top/soft holding slot k's label
     top: torch.Tensor  # [rows] the target's argmax at each label position, a draft id (-1: not in the draft vocabulary)
     soft: torch.Tensor | None  # [rows, V_d] the target's logits there (kept when asked); on a reduced
     # vocabulary its log-probabilities over the draft tokens, not renormalised
+    ctx_pos: torch.Tensor | None = None  # [Bz, T] the ctx rows' RoPE positions (positions(batch)); None: 0..T-1
 
 
 @torch.no_grad()
 def block_targets(target, batch: dict, feats: dict, cfg, keep_soft: bool, t2d: torch.Tensor | None = None) -> Blocks:
     """Draw the anchors, pack their blocks, and compute the labels: slot k of anchor a is the input
     mask at position a+k, its label the target at position a+k-1 (its lm_head on last_hidden there),
-    trained iff a+k < T and x_{a+k} is loss-masked. `keep_soft`: keep the target's logits too. t2d
-    [V] (a reduced draft vocabulary, sorted by target id): labels in draft ids (`_draft_labels`)."""
-    ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    trained iff a+k < T and x_{a+k} is loss-masked and of a's document (a packed row's next example is
+    never a label). `keep_soft`: keep the target's logits too. t2d [V] (a reduced draft vocabulary,
+    sorted by target id): labels in draft ids (`_draft_labels`)."""
+    ids, docs, lmask, ctx_pos = batch["input_ids"], documents(batch), batch["loss_mask"], positions(batch)
     t, nb = ids.shape[1], cfg.block_size
-    anchors = sample_anchors(attn, lmask, cfg.num_anchors)
-    block_ids, pos, mask = block_inputs(ids, attn, anchors, nb, cfg.mask_token_id)
+    anchors = sample_anchors(docs, lmask, cfg.num_anchors, ctx_pos)
+    block_ids, pos, mask = block_inputs(ids, docs, anchors, nb, cfg.mask_token_id, ctx_pos)
     blk_b = torch.cat([torch.full_like(a, b) for b, a in enumerate(anchors)])
     blk_j = torch.cat([torch.arange(len(a), device=ids.device) for a in anchors])
     lab = torch.cat(anchors)[:, None] + torch.arange(1, nb, device=ids.device)  # [N, B-1]: x_{a+k}
     seq = blk_b[:, None].expand_as(lab)
-    valid = (lab < t) & lmask[seq, lab.clamp(max=t - 1)].bool()  # blocks running past the end: masked
+    # Blocks running past the end, or into the next example of a packed row, are masked there: slot k
+    # is trained only where same_document(docs, k) holds at a (x_{a+k} is a's own example's token).
+    anchor_doc = docs[blk_b, torch.cat(anchors)][:, None]
+    valid = (lab < t) & lmask[seq, lab.clamp(max=t - 1)].bool() & (docs[seq, lab.clamp(max=t - 1)] == anchor_doc)
     need = torch.zeros_like(lmask, dtype=torch.bool)
     need[seq[valid], lab[valid] - 1] = True  # the label of x_{a+k} is the target at position a+k-1
     # The argmax for `ce`; the soft losses also keep the target's full-vocabulary logits.
@@ -453,7 +475,8 @@ def block_targets(target, batch: dict, feats: dict, cfg, keep_soft: bool, t2d: t
         lambda logits: _draft_labels(logits, keep_soft, t2d),
     )
     rows = row_of[seq, (lab - 1).clamp(max=t - 1)].clamp(min=0)  # [N, B-1]; invalid slots: any row, weight 0
-    return Blocks(block_ids, pos, mask, blk_b, blk_j, lab, valid, rows, top, full[0] if full else None)
+    soft = full[0] if full else None
+    return Blocks(block_ids, pos, mask, blk_b, blk_j, lab, valid, rows, top, soft, ctx_pos)
 
 
 def _draft_labels(logits: torch.Tensor, keep_soft: bool, t2d: torch.Tensor | None) -> tuple:
@@ -475,7 +498,9 @@ def forward_inputs(drafter, target, feats: dict, cfg, blocks: Blocks) -> tuple:
     # The mask's keys are [T ctx ; M block slots] (block_inputs).
     bsz, m = blocks.block_ids.shape
     t = blocks.mask.shape[-1] - m
-    ctx_pos = torch.arange(t, device=blocks.pos.device)[None].expand(bsz, -1)
+    # The ctx rows' RoPE positions: the batch's (restarting per example of a packed row), else 0..T-1.
+    arange = torch.arange(t, device=blocks.pos.device)[None].expand(bsz, -1)
+    ctx_pos = arange if blocks.ctx_pos is None else blocks.ctx_pos
     dtype = drafter.fc.weight.dtype
     aux = aux_features(feats, feature_names(cfg, target.config)).to(dtype)
     return aux, ctx_pos, draft_embeddings(target)(blocks.block_ids).to(dtype), blocks.pos, blocks.mask

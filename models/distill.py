@@ -27,15 +27,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from draftsmith import DraftsmithError
 from draftsmith.data.batching import collate
+from draftsmith.data.packing import collate_packed
 from draftsmith.engine.cache import crop_cache
 from draftsmith.engine.proposers import StudentProposer
 from draftsmith.models.family import Family
 from draftsmith.models.formats import vllm_method, vllm_snippet
 from draftsmith.models.known import model_config
 from draftsmith.models.training import layer_activation_bytes, lora_config
-from draftsmith.target.features import target_features, unpack_topk
+from draftsmith.target.features import layer_masks, target_features, unpack_topk
 from draftsmith.target.generate import generate_batch
 from draftsmith.util.losses import DIVERGENCES, expected_acceptance
+from draftsmith.util.masks import documents, model_inputs, same_document
 from draftsmith.util.precision import keep_rope_fp32
 
 NAME = "distill"
@@ -245,10 +247,11 @@ def compute_loss(student, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     if cfg.onpolicy_fraction and step % cfg.onpolicy_every == 0:
         # On-policy: the student answers some prompts itself; the target scores those answers, so
         # its features are computed here for the new batch (a cache holds the dataset's answers only).
+        n_examples = int(documents(batch).amax(1).sum()) if "documents" in batch else len(batch["input_ids"])
         batch = on_policy_batch(  # generation runs outside the wrapper's forward
             student,
             batch,
-            round(cfg.onpolicy_fraction * len(batch["input_ids"])),
+            round(cfg.onpolicy_fraction * n_examples),  # a packed row holds several examples
             cfg.onpolicy_max_new_tokens,
             cfg.onpolicy_temperature,
             target,
@@ -256,13 +259,20 @@ def compute_loss(student, target, batch: dict, feats: dict, cfg: DrafterConfig, 
         with torch.no_grad():
             feats = target_features(target, batch, feature_names(cfg, target.config))
     ids, lmask = batch["input_ids"], batch["loss_mask"].bool()
-    rows = lmask[:, 1:].nonzero(as_tuple=True)
+    # Position p trains on token p+1 only if p+1 is p's own example's: in a packed row the token after
+    # an example's last is the next example's first, which p's logits do not predict.
+    # (A batch without an attention_mask is all tokens, one example a row.)
+    docs = documents({"attention_mask": torch.ones_like(ids), **batch})
+    trained = lmask[:, 1:] & same_document(docs, 1)[:, :-1]
+    rows = trained.nonzero(as_tuple=True)
     # The student's lm_head runs only at the positions some row trains (their union over the batch:
     # transformers' `logits_to_keep`), not at every prompt and padding position; then each row's own.
-    keep = lmask[:, 1:].any(0).nonzero().squeeze(1)
+    keep = trained.any(0).nonzero().squeeze(1)
     column = torch.full((ids.shape[1],), -1, dtype=torch.long, device=ids.device)
     column[keep] = torch.arange(len(keep), device=ids.device)
-    out = forward(input_ids=ids, attention_mask=batch.get("attention_mask"), logits_to_keep=keep)
+    inputs = model_inputs(batch)  # a packed row: each example attends to itself, positions restart
+    mask = layer_masks(student.config, inputs["attention_mask"])  # a 4-D mask: sliding layers kept to their window
+    out = forward(input_ids=ids, attention_mask=mask, position_ids=inputs["position_ids"], logits_to_keep=keep)
     logits = out.logits[rows[0], column[rows[1]]]
     if cfg.offline_topk:  # K+1 classes for both; the student's keep their gradient
         teacher, logits = topk_classes(feats[f"logits_topk.{cfg.offline_topk}"][rows], logits)
@@ -300,29 +310,55 @@ def topk_classes(packed: torch.Tensor, student_logits: torch.Tensor):
     return with_rest(log_p), with_rest(log_q)
 
 
+def batch_examples(batch: dict) -> list[list[dict]]:
+    """A batch back into its examples, row by row: each document of a packed row (`documents`), or
+    the one real (attention_mask) stretch of a padded row."""
+    docs, out = documents(batch), []
+    for i in range(len(batch["input_ids"])):
+        row = []
+        for n in range(1, int(docs[i].max()) + 1):
+            own = docs[i] == n
+            row.append(
+                {
+                    "input_ids": batch["input_ids"][i][own].tolist(),
+                    "loss_mask": batch["loss_mask"][i][own].tolist(),
+                    "idx": example_index(batch, i, n),
+                }
+            )
+        out.append(row)
+    return out
+
+
+def example_index(batch: dict, row: int, n: int) -> int:
+    """The dataset index of document n (from 1) of `row`: idx is [B, D] in a packed batch, [B] padded."""
+    if "idx" not in batch:
+        return row
+    idx = batch["idx"][row]
+    return int(idx[n - 1]) if "documents" in batch else int(idx)
+
+
 @torch.no_grad()
 def on_policy_batch(student, batch: dict, rows: int, max_new_tokens: int, temperature: float, target) -> dict:
-    """The batch with the answers of its first `rows` examples replaced by the student's own
-    continuations of their prompts (the tokens before the first loss-masked one), up to and
-    including EOS, generated together (draftsmith/target/generate.py, the loop regeneration uses);
-    the loss mask then covers exactly the generated tokens."""
+    """The batch with the answers of its first `rows` examples (in row order; a packed row holds
+    several) replaced by the student's own continuations of their prompts (the tokens before the first
+    loss-masked one), up to and including EOS, generated together (draftsmith/target/generate.py, the
+    loop regeneration uses); the loss mask then covers exactly the generated tokens. A packed batch is
+    laid out again row by row (its rows grow or shrink with the new answers)."""
     was_training = student.training
     student.eval()
     gen = getattr(target.generation_config, "eos_token_id", None)
     eos = {i for i in (gen if isinstance(gen, (list, tuple)) else [gen]) if isinstance(i, int)}
     pad = target.config.pad_token_id
-    examples = []
-    for i in range(len(batch["input_ids"])):
-        real = batch["attention_mask"][i].bool()
-        ids, mask = batch["input_ids"][i][real].tolist(), batch["loss_mask"][i][real].tolist()
-        examples.append({"input_ids": ids, "loss_mask": mask, "idx": int(batch["idx"][i]) if "idx" in batch else i})
+    layout = batch_examples(batch)
+    examples = [e for row in layout for e in row]  # the same dicts: rewriting one rewrites the layout
     prompts = [e["input_ids"][: e["loss_mask"].index(1) if 1 in e["loss_mask"] else None] for e in examples[:rows]]
     answers = generate_batch(student, prompts, max_new_tokens, eos, pad, temperature=temperature)
     for e, prompt, (answer, _) in zip(examples, prompts, answers):
         e["input_ids"], e["loss_mask"] = prompt + answer, [0] * len(prompt) + [1] * len(answer)
     student.train(was_training)
     device = batch["input_ids"].device
-    return {k: v.to(device) for k, v in collate(examples, pad).items()}
+    out = collate_packed(layout, pad) if "documents" in batch else collate(examples, pad)
+    return {k: v.to(device) for k, v in out.items()}
 
 
 def make_proposer(student, target, cfg: DrafterConfig) -> StudentProposer:

@@ -28,7 +28,7 @@ from draftsmith.models.formats import from_exported_head, llama_dims, renamed, v
 from draftsmith.models.training import layer_activation_bytes
 from draftsmith.target.features import draft_embeddings
 from draftsmith.util.losses import smooth_l1_feature_loss, soft_cross_entropy, topk_distillation_loss
-from draftsmith.util.masks import ttt_mask
+from draftsmith.util.masks import documents, positions, same_document, ttt_mask
 from draftsmith.util.precision import keep_rope_fp32
 
 NAME = "eagle"
@@ -134,22 +134,23 @@ class EagleDrafter(nn.Module):
             position_embeddings=pos_emb,
         )
 
-    def forward(self, features, embeds, padding, steps: int = 1):
+    def forward(self, features, embeds, padding, steps: int = 1, positions: torch.Tensor | None = None):
         """The training pass, unrolled `steps` times in one call (one forward per backward for DDP).
 
         features: [B, t, H] target features f_0..f_{t-1}; embeds: [B, t + steps - 1, H] embeddings of
-        tokens 1..; padding: [B, t]. Step j of chain r feeds (f_r if j = 0, else step j-1's output at
-        r) with token t_{r+j+1} at position r+j, and predicts f_{r+j+1}. Step 0 alone is EAGLE-1;
-        more steps are HASS context alignment. Returns [out_0, ..], each [B, t, H].
+        tokens 1..; padding: [B, t] the pairs' document numbers (0 = padding; a padding mask is one
+        example a row); positions: [B, t] pair r's position in its example (default r: a padded row).
+        Step j of chain r feeds (f_r if j = 0, else step j-1's output at r) with token t_{r+j+1} at
+        position positions[r]+j, and predicts f_{r+j+1}. Step 0 alone is EAGLE-1; more steps are HASS
+        context alignment. Returns [out_0, ..], each [B, t, H].
         """
         bsz, t = padding.shape
-        roots = torch.arange(t, device=padding.device)
+        if positions is None:
+            positions = torch.arange(t, device=padding.device)[None].expand(bsz, -1)
         cache = DynamicCache() if steps > 1 else None
         hidden, outs = features, []
         for j in range(steps):
-            hidden = self.step(
-                hidden, embeds[:, j : j + t], (roots + j)[None].expand(bsz, -1), ttt_mask(t, j, padding), cache
-            )
+            hidden = self.step(hidden, embeds[:, j : j + t], positions + j, ttt_mask(t, j, padding), cache)
             outs.append(hidden)
         return outs
 
@@ -173,7 +174,7 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     batch: input_ids, attention_mask, loss_mask [B, T]; feats["last_hidden"]: [B, T, H].
     """
     forward = drafter if forward is None else forward  # the loop's distributed wrapper: its forward syncs gradients
-    ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    ids, lmask, docs = batch["input_ids"], batch["loss_mask"], documents(batch)
     f = feats["last_hidden"]
     steps = cfg.hass_steps if cfg.hass else 1
     seq, t = ids.shape[1], ids.shape[1] - 1
@@ -186,15 +187,23 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     ids_ext = torch.nn.functional.pad(ids, (0, steps - 1))
     f_ext = torch.nn.functional.pad(f, (0, 0, 0, steps - 1))
     lmask_ext = torch.nn.functional.pad(lmask, (0, steps))
+    docs_ext = torch.nn.functional.pad(docs, (0, steps + 1))
     embed, lm_head = draft_embeddings(target), target.get_output_embeddings()
-    outs = forward(f_in, embed(ids_ext[:, 1:]), attn[:, 1:], steps)
+    # Pair i (f_i, t_{i+1}) is a real key iff t_{i+1} is its own example's token (a padded row: the
+    # attention mask from 1 on); the pair across two examples of a packed row is padding.
+    pair_docs = docs[:, :t] * same_document(docs, 1)[:, :t]
+    # A packed row's pairs sit at their own example's positions; a padded row's are the forward's 0..t-1.
+    at = {"positions": positions(batch)[:, :t]} if "position_ids" in batch else {}
+    outs = forward(f_in, embed(ids_ext[:, 1:]), pair_docs, steps, **at)
     roots = torch.arange(t, device=ids.device)
     total: float | torch.Tensor = 0.0  # a Tensor once step 0's loss is added
     metrics: dict[str, torch.Tensor] = {}
     for j, out in enumerate(outs):
         # Step j of chain r predicts f_{r+j+1}, i.e. the target's distribution for t_{r+j+2}:
-        # counted iff that token exists and is trained (an assistant token).
-        sel = (roots + j + 2 < seq)[None] & lmask_ext[:, j + 2 : j + 2 + t].bool()
+        # counted iff that token exists, is trained (an assistant token) and is r's own example's
+        # (in a packed row t_{r+j+2} may be the next example's: no label of chain r).
+        own = same_document(docs_ext, j + 2)[:, :t]
+        sel = (roots + j + 2 < seq)[None] & lmask_ext[:, j + 2 : j + 2 + t].bool() & own
         pred, true = out[sel], f_ext[:, j + 1 : j + 1 + t][sel]
         ones = torch.ones(pred.shape[0], device=pred.device)
         # The target's lm_head scores both in its own dtype; the feature loss compares in the drafter's.

@@ -48,7 +48,7 @@ from draftsmith.models.training import draft_vocab, label_rows, target_label_row
 from draftsmith.target.features import draft_embeddings, target_features, whole_weight
 from draftsmith.target.load import resolve_target, served_name
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss, topk_distillation_loss
-from draftsmith.util.masks import causal_mask, ttt_mask
+from draftsmith.util.masks import causal_mask, documents, positions, same_document, ttt_mask
 from draftsmith.util.precision import keep_rope_fp32
 
 NAME = "eagle3"
@@ -285,25 +285,28 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         add_body(self, config, draft_vocab, target_vocab, **switches)
 
-    def forward(self, aux, embeds, padding, selections):
+    def forward(self, aux, embeds, padding, selections, positions: torch.Tensor | None = None):
         """The whole training-time-test unroll in one call (one forward per backward for DDP/FSDP).
 
         aux: [B, t, 3H] target features of roots r = 0..t-1; embeds: [B, t + steps, H] embeddings of
-        tokens 1..; padding: [B, t]; selections[j] = (batch idx, root idx) whose step-j logits count.
+        tokens 1..; padding: [B, t] the roots' document numbers (0 = padding; a padding mask is one
+        example a row); selections[j] = (batch idx, root idx) whose step-j logits count; positions:
+        [B, t] root r's position in its example (default r: a padded row).
         Returns the draft-vocab logits of every step at its selected positions.
         """
         bsz, t = padding.shape
-        roots = torch.arange(t, device=padding.device)
+        if positions is None:
+            positions = torch.arange(t, device=padding.device)[None].expand(bsz, -1)
         hidden, cache, logits = fuse(self, aux), DynamicCache(), []
         for j, (b_idx, r_idx) in enumerate(selections):
-            # Step j of chain r: input token t_{r+j+1} at position r+j, predicting t_{r+j+2}.
+            # Step j of chain r: input token t_{r+j+1} at position positions[r]+j, predicting t_{r+j+2}.
             out = carry(
                 self,
                 decoder_step(
                     self,
                     hidden,
                     embeds[:, j : j + t],
-                    (roots + j)[None].expand(bsz, -1),
+                    positions + j,
                     ttt_mask(t, j, padding),
                     cache=cache,
                 ),
@@ -386,13 +389,20 @@ def teacher_rows(core, lm_head, ids, lmask, last, argmax=None):
     return row_of, logits, core.t2d[argmax[nb, np_]].float()
 
 
+def label_mask(lmask: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+    """The loss mask [B, T] of tokens that are the label of the position before them: each example's
+    first token is no label (in a packed row the position before it is the previous example's), as
+    a padded row's position 0 never is one. `teacher_rows` scores only these labels."""
+    return lmask * torch.nn.functional.pad(same_document(docs, 1)[:, :-1], (1, 0))
+
+
 def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, step: int = 0, forward=None):
     """Returns (loss_sum, n_tokens, metric_sums); n_tokens counts step-0 positions.
 
     batch: input_ids, attention_mask, loss_mask [B, T]; feats: `feature_names` -> [B, T, H].
     """
     forward = drafter if forward is None else forward  # the loop's distributed wrapper: its forward syncs gradients
-    ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    ids, lmask, docs = batch["input_ids"], batch["loss_mask"], documents(batch)
     names = feature_names(cfg, target.config)
     seq, t = ids.shape[1], ids.shape[1] - 1
     roots = torch.arange(t, device=ids.device)
@@ -401,20 +411,25 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     # Tokens and mask past the end are padding: those chain steps have no label and are masked.
     ids_ext = torch.nn.functional.pad(ids, (0, cfg.ttt_steps + 1))
     lmask_ext = torch.nn.functional.pad(lmask, (0, cfg.ttt_steps + 1))
+    docs_ext = torch.nn.functional.pad(docs, (0, cfg.ttt_steps + 1))
     with torch.no_grad():
-        row_of, draft_all, keep_all = teacher_rows(drafter, lm_head, ids, lmask, last, feats.get("argmax"))
+        labelled = label_mask(lmask, docs)  # no teacher row labels an example's first token
+        row_of, draft_all, keep_all = teacher_rows(drafter, lm_head, ids, labelled, last, feats.get("argmax"))
         selections, labels = [], []
         for j in range(cfg.ttt_steps):
-            # Step j of chain r predicts t_{r+j+2}: counted iff that token exists and is trained
-            # (loss mask); its target distribution is the target's lm_head at position r+j+1.
-            valid = (roots + j + 2 < seq)[None] & lmask_ext[:, j + 2 : j + 2 + t].bool()
+            # Step j of chain r predicts t_{r+j+2}: counted iff that token exists, is trained (loss
+            # mask) and is r's own example's (in a packed row it may be the next example's); its
+            # target distribution is the target's lm_head at position r+j+1.
+            own = same_document(docs_ext, j + 2)[:, :t]
+            valid = (roots + j + 2 < seq)[None] & lmask_ext[:, j + 2 : j + 2 + t].bool() & own
             b_idx, r_idx = valid.nonzero(as_tuple=True)
             r = row_of[b_idx, r_idx + j + 1]
             selections.append((b_idx, r_idx))
             labels.append((draft_all[r], keep_all[r]))
     aux = aux_features(feats, names)[:, :t]
     embeds = draft_embeddings(target)(ids_ext[:, 1:])
-    logits = forward(aux.to(drafter.fc.weight.dtype), embeds, attn[:, :t], selections)
+    # Roots attend within their own example, at its own positions (0..t-1 in a padded row).
+    logits = forward(aux.to(drafter.fc.weight.dtype), embeds, docs[:, :t], selections, positions(batch)[:, :t])
     total: float | torch.Tensor = 0.0  # a Tensor once step 0's loss is added
     metrics: dict[str, torch.Tensor] = {}
     for j, (s_logits, (t_draft, keep)) in enumerate(zip(logits, labels)):

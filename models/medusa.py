@@ -42,8 +42,10 @@ from draftsmith.models.family import Family
 from draftsmith.models.folder import load_state
 from draftsmith.models.formats import vllm_snippet, write_tensors
 from draftsmith.models.training import check_draft_vocab, draft_vocab, layer_activation_bytes, lora_config
+from draftsmith.target.features import layer_masks
 from draftsmith.target.load import freeze
 from draftsmith.util.losses import forward_kl, soft_cross_entropy
+from draftsmith.util.masks import documents, model_inputs, same_document
 
 NAME = "medusa"
 
@@ -272,13 +274,17 @@ class Medusa2(nn.Module):
             raise RuntimeError(f"Medusa-2 state: missing {missing[:3]}, unexpected {unexpected[:3]}")
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
-    def forward(self, input_ids, attention_mask, rows, teach, joint: bool):
+    def forward(self, input_ids, attention_mask, rows, teach, joint: bool, position_ids=None):
         """rows[k]: (b, t) positions of head k's inputs; teach: (b, p) positions whose next token is
-        trained. -> (head logits per head, the trained backbone's logits at `teach` [N, V] or None
-        before joint training, the original's logits at `teach` [N, V])."""
+        trained. attention_mask, position_ids: `model_inputs` of the batch (a packed batch's 4-D
+        per-document mask and restarting positions). -> (head logits per head, the trained backbone's
+        logits at `teach` [N, V] or None before joint training, the original's logits at `teach` [N, V])."""
 
         def decode(model):
-            return model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            mask = layer_masks(model.config, attention_mask)  # a 4-D mask keeps sliding layers to their window
+            return model.get_decoder()(
+                input_ids=input_ids, attention_mask=mask, position_ids=position_ids
+            ).last_hidden_state
 
         with torch.no_grad(), self.original() as original:
             h0 = decode(original)
@@ -377,17 +383,25 @@ def compute_loss(model, target, batch: dict, feats: dict, cfg: DrafterConfig, st
     forward = model if forward is None else forward  # the loop's distributed wrapper: its forward syncs gradients
     ids, lmask = batch["input_ids"], batch["loss_mask"].bool()
     heads = model.heads if isinstance(model, Medusa2) else model
+    # Which example each token is (a batch without an attention_mask is all tokens, one example a row).
+    docs, t_len = documents({"attention_mask": torch.ones_like(ids), **batch}), ids.shape[1]
     # Head k at position t predicts token t+k+2: its inputs are positions t with token t+k+2 trained
-    # (loss mask), i.e. the nonzeros of lmask[:, k+2:] indexed by t.
-    rows = [lmask[:, k + 2 :].nonzero(as_tuple=True) for k in range(min(cfg.num_heads, ids.shape[1] - 2))]
-    # Positions p whose next token p+1 is trained: the target's distribution at p labels token p+1,
-    # computed once for every head (head k's label for token t+k+2 is the distribution at p = t+k+1).
-    teach = lmask[:, 1:].nonzero(as_tuple=True)
+    # (loss mask), i.e. the nonzeros of lmask[:, k+2:] indexed by t; in a packed row token t+k+2 may
+    # already be the next example's, which is no label for t: it must be t's own (same_document).
+    rows = [
+        (lmask[:, k + 2 :] & same_document(docs, k + 2)[:, : t_len - k - 2]).nonzero(as_tuple=True)
+        for k in range(min(cfg.num_heads, t_len - 2))
+    ]
+    # Positions p whose next token p+1 is trained (and p's own, not the next example's): the target's
+    # distribution at p labels token p+1, computed once for every head (head k's label for token
+    # t+k+2 is the distribution at p = t+k+1, in t's example as t+k+2 is).
+    teach = (lmask[:, 1:] & same_document(docs, 1)[:, :-1]).nonzero(as_tuple=True)
     if not rows:  # fewer than 3 tokens: nothing to learn, but every trainable weight joins the backward (DDP)
         return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0, torch.tensor(0, device=ids.device), {}
     joint = isinstance(model, Medusa2) and step >= cfg.heads_only_steps
     if isinstance(model, Medusa2):
-        logits, trained, teacher = forward(ids, batch.get("attention_mask"), rows, teach, joint)
+        inputs = model_inputs(batch)  # the backbone decodes each example of a packed row on its own
+        logits, trained, teacher = forward(ids, inputs["attention_mask"], rows, teach, joint, inputs["position_ids"])
     else:
         last = feats["last_hidden"]
         with torch.no_grad():

@@ -43,6 +43,7 @@ from draftsmith.models.eagle3 import (
     exported_aux_layers,
     feature_names,
     fuse,
+    label_mask,
     speculators_load_check,
     target_vocab_logits,
     teacher_rows,
@@ -56,7 +57,7 @@ from draftsmith.models.formats import from_exported_head, renamed
 from draftsmith.models.training import mask_token
 from draftsmith.target.features import draft_embeddings
 from draftsmith.util.losses import TOKEN_LOSSES, check_loss
-from draftsmith.util.masks import causal_mask
+from draftsmith.util.masks import causal_mask, document_causal_mask, documents, positions, same_document
 
 NAME = "peagle"
 
@@ -106,8 +107,8 @@ class PEagleDrafter(nn.Module):
         add_body(self, config, draft_vocab, target_vocab, **switches)
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, self.fc.in_features))
 
-    def forward(self, aux, embeds, mask_embed, padding, chains):
-        return decoder_step(self, *packed_inputs(self, aux, embeds, mask_embed, padding, chains))
+    def forward(self, aux, embeds, mask_embed, padding, chains, positions: torch.Tensor | None = None):
+        return decoder_step(self, *packed_inputs(self, aux, embeds, mask_embed, padding, chains, positions))
 
 
 def resolve(cfg: DrafterConfig, target_config, init_config: dict | None = None) -> DrafterConfig:
@@ -128,47 +129,78 @@ def rebuild(meta: dict, target):
     return build(DrafterConfig(**{k: v for k, v in meta["drafter_config"].items() if k != "type"}), target)
 
 
-def sample_chains(row_of: torch.Tensor, t: int, cfg: DrafterConfig) -> list[list[tuple[int, int]]]:
+def sample_chains(
+    row_of: torch.Tensor, t: int, cfg: DrafterConfig, docs: torch.Tensor | None = None
+) -> list[list[tuple[int, int]]]:
     """Per sequence, the (anchor a, depth d) mask slots to train this step (COD sampling, P-EAGLE
     sec. 3). A slot (a, d) predicts x_{a+d+2}, whose target distribution is label row a+d+1; it
-    exists iff that row is trained (row_of >= 0). Chains are contiguous: depth d is drawn from the
-    anchors that kept depth d-1, so every kept slot's chain is whole, as at inference."""
+    exists iff that row is trained (row_of >= 0) and, in a packed row (`docs` [B, T], data/packing.py),
+    x_{a+d+2} is a's own example's. Chains are contiguous: depth d is drawn from the anchors that
+    kept depth d-1, so every kept slot's chain is whole, as at inference. Each example of a row draws
+    its own chains, as it would alone in a padded row."""
     chains = []
-    for rows in row_of.tolist():
-        alive = [a for a in range(t) if rows[a + 1] >= 0]  # anchors with a trained depth-0 label
-        n, slots = len(alive), []
-        for d in range(1, cfg.depths):
-            pool = [a for a in alive if a + d + 1 < len(rows) and rows[a + d + 1] >= 0]
-            size = min(len(pool), int((n - d) * max(cfg.keep_ratio**d, cfg.keep_min)))
-            if size <= 0:
-                break
-            alive = sorted(pool[i] for i in torch.randperm(len(pool))[:size].tolist())
-            slots += [(a, d) for a in alive]
-        chains.append(slots)
+    for b, rows in enumerate(row_of.tolist()):
+        # Without docs, one example whose labels may run to the row's end (row T-1).
+        spans = [(0, len(rows) + 1)] if docs is None else document_spans(docs[b].tolist())
+        chains.append([slot for start, end in spans for slot in example_chains(rows, start, min(end, t), end, cfg)])
     return chains
 
 
-def packed_inputs(core, aux, embeds, mask_embed, padding, chains):
+def document_spans(docs: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each example (a run of one nonzero document number) in a row."""
+    spans: list[tuple[int, int]] = []
+    for p, doc in enumerate(docs):
+        if doc and (p == 0 or docs[p - 1] != doc):
+            spans.append((p, p + 1))
+        elif doc:
+            spans[-1] = (spans[-1][0], p + 1)
+    return spans
+
+
+def example_chains(rows: list[int], start: int, stop: int, end: int, cfg: DrafterConfig) -> list[tuple[int, int]]:
+    """One example's slots: anchors start..stop-1, labels x_{a+d+2} only before its `end` (the next
+    example's tokens are no labels of its anchors)."""
+
+    def trained(a: int, d: int) -> bool:
+        return a + d + 2 < end and rows[a + d + 1] >= 0
+
+    alive = [a for a in range(start, stop) if trained(a, 0)]  # anchors with a trained depth-0 label
+    n, slots = len(alive), []
+    for d in range(1, cfg.depths):
+        pool = [a for a in alive if trained(a, d)]
+        size = min(len(pool), int((n - d) * max(cfg.keep_ratio**d, cfg.keep_min)))
+        if size <= 0:
+            break
+        alive = sorted(pool[i] for i in torch.randperm(len(pool))[:size].tolist())
+        slots += [(a, d) for a in alive]
+    return slots
+
+
+def packed_inputs(core, aux, embeds, mask_embed, padding, chains, positions=None):
     """One pass's inputs: the t real slots of each sequence, then its mask slots (padded to the
     longest list) -> hidden [B, t+M, H], token embeds, positions [B, t+M], mask [B, 1, t+M, t+M].
 
     Real slot i: (fc(target features of x_i), embed(x_{i+1})) at position i, causal. Mask slot
     (a, d): (fc(mask_hidden), embed(mask)) at position a+d, seeing real slots <= a and its own
-    chain's slots of depth <= d: exactly the causal view vLLM gives draft d+1 at serving time."""
+    chain's slots of depth <= d: exactly the causal view vLLM gives draft d+1 at serving time.
+    padding [B, t]: the real slots' document numbers (0 = padding; a padding mask is one example a
+    row): every slot sees its own example's real slots only, at positions[i] (i's position in its
+    example; default i, a padded row) and positions[a]+d."""
     bsz, t, h = aux.shape[0], aux.shape[1], core.fc.out_features
     m = max((len(c) for c in chains), default=0)
     device = aux.device
     hidden = torch.cat([fuse(core, aux), fuse(core, core.mask_hidden).expand(bsz, m, h)], dim=1)
     tokens = torch.cat([embeds, mask_embed.expand(bsz, m, -1)], dim=1)
-    pos = torch.arange(t + m, device=device)[None].repeat(bsz, 1)
+    real = torch.arange(t, device=device)[None].expand(bsz, -1) if positions is None else positions
+    pos = torch.cat([real, torch.arange(t, t + m, device=device)[None].expand(bsz, -1)], dim=1)
     mask = torch.zeros(bsz, 1, t + m, t + m, dtype=torch.bool, device=device)
-    mask[:, :, :t, :t] = causal_mask(t, t, padding, device=device)
+    mask[:, :, :t, :t] = document_causal_mask(padding)
     for b, slots in enumerate(chains):
         index = {s: t + j for j, s in enumerate(slots)}
         for j, (a, d) in enumerate(slots):
             q = t + j
-            pos[b, q] = a + d
-            mask[b, 0, q, : a + 1] = padding[b, : a + 1].bool()
+            pos[b, q] = real[b, a] + d
+            mask[b, 0, q, : a + 1] = padding[b, : a + 1] == padding[b, a]  # a's own example up to a
             for dd in range(1, d + 1):
                 mask[b, 0, q, index[(a, dd)]] = True
         for q in range(t + len(slots), t + m):  # padding slots see themselves only (never a label)
@@ -182,20 +214,23 @@ def compute_loss(drafter, target, batch: dict, feats: dict, cfg: DrafterConfig, 
     speculators' plain average over slots, up to a constant). acc{d}: draft d+1's top-1 agreement."""
     forward = drafter if forward is None else forward  # the loop's distributed wrapper: its forward syncs gradients
     cfg = resolve(cfg, target.config)  # the exact mask token and layers (a no-op on a run's own config)
-    ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    ids, lmask, docs = batch["input_ids"], batch["loss_mask"], documents(batch)
     names = feature_names(cfg, target.config)
     t = ids.shape[1] - 1
     with torch.no_grad():
+        labelled = label_mask(lmask, docs)  # no teacher row labels an example's first token
         row_of, draft_all, keep_all = teacher_rows(
-            drafter, target.get_output_embeddings(), ids, lmask, feats["last_hidden"], feats.get("argmax")
+            drafter, target.get_output_embeddings(), ids, labelled, feats["last_hidden"], feats.get("argmax")
         )
-        chains = sample_chains(row_of, t, cfg)
+        chains = sample_chains(row_of, t, cfg, docs)  # per example: no chain runs into the next one
     embed = draft_embeddings(target)
     aux = aux_features(feats, names)[:, :t].to(drafter.fc.weight.dtype)
     mask_embed = embed(torch.tensor([[cfg.mask_token_id]], device=ids.device))
-    out = forward(aux, embed(ids[:, 1:]), mask_embed, attn[:, :t], chains)
-    # Depth 0: real slot i predicts x_{i+2} (label row i+1); slot (a, d) predicts label row a+d+1.
-    b0, i0 = (row_of[:, 1:] >= 0).nonzero(as_tuple=True)
+    out = forward(aux, embed(ids[:, 1:]), mask_embed, docs[:, :t], chains, positions(batch)[:, :t])
+    # Depth 0: real slot i predicts x_{i+2} (label row i+1), counted iff x_{i+2} is i's own example's
+    # (in a packed row it may be the next one's); slot (a, d) predicts label row a+d+1.
+    own = same_document(torch.nn.functional.pad(docs, (0, 2)), 2)[:, :t]
+    b0, i0 = ((row_of[:, 1:] >= 0) & own).nonzero(as_tuple=True)
     sel: list[tuple[torch.Tensor, ...]] = [(b0, i0, row_of[b0, i0 + 1], torch.zeros_like(b0))]
     rows_of = row_of.tolist()
     extra = [(b, t + j, rows_of[b][a + d + 1], d) for b, slots in enumerate(chains) for j, (a, d) in enumerate(slots)]

@@ -143,6 +143,14 @@ def test_train_throughput_times_every_family_in_parts_that_add_up_to_the_step(tm
         assert 0.97 < sum(shares.values()) <= 1.0 + 1e-6, r  # the step is exactly these parts' clocks
         assert shares["logits"] > 0 and r["tokens_per_s"] > r["trained_tokens_per_s"] > 0, r
         assert 0 < r["padding"] < 0.5, r
+    # Packed rows (data.packing): two answers a 96-token row, little of it padding; the same parts.
+    two = ",".join(list(DRAFTERS)[:2])
+    rows_of_two = ["--set", "data.max_length=96", "optim.batch_size=4"]  # 48 short answers: 24 rows, 6 batches
+    train_throughput.main([*argv, "--examples", "48", "--packing", "--families", two, *rows_of_two, "--out", str(out)])
+    packed = json.loads(out.read_text())["rows"]
+    for p in packed:
+        assert p["packing"] and 0.97 < sum(p["share"].values()) <= 1.0 + 1e-6, p
+        assert p["padding"] < 0.1, p
     # From an offline cache (as the quickstart trains after its first pass): the same parts.
     train_throughput.main([*argv, "--examples", "48", "--features", "cache", "--families", "eagle3", "--out", str(out)])
     (row,) = json.loads(out.read_text())["rows"]

@@ -31,8 +31,8 @@ from transformers import (
 )
 
 from draftsmith import DraftsmithError
-from draftsmith.data.batching import collate, epoch_batches
 from draftsmith.data.features import FeatureCache
+from draftsmith.data.packing import collate_rows, epoch_rows
 from draftsmith.data.pipeline import training_data
 from draftsmith.data.sharding import Shard
 
@@ -67,16 +67,20 @@ SCHEDULES: dict[str, Callable[..., LambdaLR]] = {
 }
 
 
-def micro_batches(ds, cfg: Config, world: int, rank: int, epoch: int, start: int):
-    """Yield (position, batch) for this rank from global micro-batch `start` of `epoch` on.
-    Global micro-batches that cannot fill every rank are dropped (equal work on all ranks)."""
+def global_batches(ds, cfg: Config, world: int, epoch: int) -> list[list[list[int]]]:
+    """The global micro-batches of `epoch`: batch_size x world rows each, a row the examples it holds
+    (one, padded; several, packed: data/packing.py). Those that cannot fill every rank are dropped
+    (equal work on all ranks)."""
     g = cfg.optim.batch_size * world
-    batches = [
-        b for b in epoch_batches(ds["length"], g, cfg.optim.seed, epoch, cfg.data.group_by_length) if len(b) == g
-    ]
+    return [b for b in epoch_rows(ds["length"], cfg.data, g, cfg.optim.seed, epoch) if len(b) == g]
+
+
+def micro_batches(ds, cfg: Config, world: int, rank: int, epoch: int, start: int, pad_id: int):
+    """Yield (position, collated batch) for this rank from global micro-batch `start` of `epoch` on."""
+    batches = global_batches(ds, cfg, world, epoch)
     for pos in range(start, len(batches)):
         mine = batches[pos][rank * cfg.optim.batch_size : (rank + 1) * cfg.optim.batch_size]
-        yield pos, [ds[i] for i in mine]
+        yield pos, collate_rows(ds, mine, pad_id, cfg.data.packing)
 
 
 def make_scheduler(cfg: Config, optimizer, total_steps: int) -> LambdaLR:
@@ -266,11 +270,13 @@ def build_drafter_and_optimizer(run: Run) -> None:
     run.optimizer = torch.optim.AdamW(
         groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
     )
-    per_epoch = len(run.ds) // (cfg.optim.batch_size * run.world) // cfg.optim.grad_accum
+    # Packed, a batch's row count is fixed and its example count is not: count epoch 0's batches.
+    per_epoch = len(global_batches(run.ds, cfg, run.world, 0)) // cfg.optim.grad_accum
     if per_epoch == 0 and not cfg.optim.max_steps:
+        rows = " packed rows" if cfg.data.packing else ""
         raise DraftsmithError(
             f"{cfg.data.train}: {len(run.ds)} examples cannot fill one optimizer step "
-            f"(global batch {cfg.optim.batch_size * run.world * cfg.optim.grad_accum})"
+            f"(global batch {cfg.optim.batch_size * run.world * cfg.optim.grad_accum}{rows})"
         )
     run.total = cfg.optim.max_steps or max(1, math.ceil(cfg.optim.epochs * per_epoch))
     # The scheduler is stepped by hand once per optimizer step (accelerate's prepared scheduler
@@ -340,8 +346,8 @@ def train_steps(run: Run) -> None:
     t0, micro, t_start = time.perf_counter(), 0, time.perf_counter()
     last_good = checkpoint.list_steps(cfg.run_dir)[-1:] if accelerator.is_main_process else []
     while run.step < total:
-        for run.pos, rows in micro_batches(run.ds, cfg, world, run.rank, run.epoch, run.pos):
-            batch = {k: v.to(accelerator.device) for k, v in collate(rows, run.tok.pad_token_id).items()}
+        for run.pos, cpu_batch in micro_batches(run.ds, cfg, world, run.rank, run.epoch, run.pos, run.tok.pad_token_id):
+            batch = {k: v.to(accelerator.device) for k, v in cpu_batch.items()}
             sync = (micro + 1) % cfg.optim.grad_accum == 0
             with autocast(accelerator, cfg, zero), accelerator.no_sync(drafter) if not sync else nullcontext():
                 loss_sum, n_tok, metrics = family.compute_loss(

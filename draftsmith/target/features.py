@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.util.masks import model_inputs
 
 
 @torch.no_grad()
@@ -29,10 +30,11 @@ def target_features(target, batch: dict, names: tuple[str, ...], cache=None) -> 
     unknown = [n for n in names if n not in known and not n.startswith(("hidden.", "logits_topk."))]
     if unknown:
         raise DraftsmithError(f"feature contract: unknown target features {unknown}")
+    inputs = model_inputs(batch)  # a packed batch (data/packing.py): each example attends only to itself
     out = target.get_decoder()(
         input_ids=batch["input_ids"],
-        attention_mask=layer_masks(target.config, batch.get("attention_mask")),
-        position_ids=batch.get("position_ids"),
+        attention_mask=layer_masks(target.config, inputs["attention_mask"]),
+        position_ids=inputs["position_ids"],
         cache=cache,
         use_cache=cache is not None,
         output_hidden_states=bool(aux),

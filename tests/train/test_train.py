@@ -98,7 +98,11 @@ MEDUSA2 = {
 }
 # Every registered family at its tiny size and its LoRA variant (benchmarks/tiny_target.py, from the
 # registry), and Medusa-2 in two stages.
-RUNS = {**TINY_RUNS, "medusa2-staged": MEDUSA2}
+# Packed batches (data/packing.py) through the loop: resumed mid-epoch, the packed epoch replays
+# exactly; a block family's anchors are drawn per document.
+PACKED = {"eagle3-packed": {**TINY_RUNS["eagle3"], "data.packing": "true"}}
+PACKED["dflash-packed"] = {**TINY_RUNS["dflash"], "data.packing": "true"}
+RUNS = {**TINY_RUNS, "medusa2-staged": MEDUSA2, **PACKED}
 
 
 @pytest.fixture(scope="module")
