@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from draftsmith import DraftsmithError
+from draftsmith.data.bench import bench_records, refuse_unanswered
 from draftsmith.data.corpus import builtin_corpus
 
 SHAREGPT_ROLES = {
@@ -126,6 +127,8 @@ def located_records(spec: str, split: str = "train") -> list[tuple[str, dict | D
         return [row for part in parts for row in located_records(part, split)]
     if spec.startswith("builtin:"):
         rows = builtin_corpus(spec.removeprefix("builtin:"))
+    elif spec.startswith("bench:"):  # a standard benchmark (data/bench.py); it fixes its own split
+        rows = bench_records(spec.removeprefix("bench:"))
     elif Path(spec).suffix == ".jsonl":
         if not Path(spec).is_file():
             raise DraftsmithError(f"{spec}: data file not found")
@@ -136,9 +139,9 @@ def located_records(spec: str, split: str = "train") -> list[tuple[str, dict | D
 
 
 def read_records(spec: str, split: str = "train") -> list[dict]:
-    """A jsonl/json/parquet file, `builtin:<name>`, or what `datasets.load_dataset` reads (a dataset
-    folder or a hub name) -> its records; a malformed jsonl line is an error naming file:line.
-    `split` picks the split of a dataset folder or hub dataset. A single file and a built-in corpus
+    """A jsonl/json/parquet file, `builtin:<name>`, `bench:<name>` (data/bench.py), or what
+    `datasets.load_dataset` reads (a dataset folder or a hub name) -> its records; a malformed jsonl
+    line is an error naming file:line. `split` picks the split of a dataset folder or hub dataset. A single file and a built-in corpus
     hold one split, so it is ignored for them (a jsonl holdout serves any data.holdout_split)."""
     rows = []
     for _, row in located_records(spec, split):
@@ -459,6 +462,8 @@ def load_prompts(
 ) -> list[list[dict] | str]:
     """Prompts of a holdout: chat records lose their last assistant turn (and what follows it); text
     records are kept. Malformed records as in `load_conversations`."""
+    for part in joined_sources(spec):
+        refuse_unanswered(part)  # bench:mt-bench-2turn: the target answers turn 1 first (data regenerate)
     return [
         c if isinstance(c, str) else prompt_messages(c)
         for c, _ in load_conversations(spec, max_prompts, split, malformed)
