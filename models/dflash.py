@@ -437,7 +437,7 @@ class Blocks:
     mask: torch.Tensor  # [Bz, 1, M, T+M] their attention mask
     blk_b: torch.Tensor  # [N] the sequence of each block
     blk_j: torch.Tensor  # [N] its index among that sequence's blocks
-    lab: torch.Tensor  # [N, B-1] the position a+k of slot k's token x_{a+k}
+    lab: torch.Tensor  # [N, B-1] the position a+k of slot k's token x_{a+k} ([N, B] from_anchor: a+d, draft d)
     valid: torch.Tensor  # [N, B-1] slot k is trained (a+k < T, x_{a+k} loss-masked and of a's document)
     rows: torch.Tensor  # [N, B-1] the row of top/soft holding slot k's label
     top: torch.Tensor  # [rows] the target's argmax at each label position, a draft id (-1: not in the draft vocabulary)
@@ -447,19 +447,22 @@ class Blocks:
 
 
 @torch.no_grad()
-def block_targets(target, batch: dict, feats: dict, cfg, keep_soft: bool, t2d: torch.Tensor | None = None) -> Blocks:
+def block_targets(
+    target, batch: dict, feats: dict, cfg, keep_soft: bool, t2d: torch.Tensor | None = None, from_anchor: bool = False
+) -> Blocks:
     """Draw the anchors, pack their blocks, and compute the labels: slot k of anchor a is the input
     mask at position a+k, its label the target at position a+k-1 (its lm_head on last_hidden there),
     trained iff a+k < T and x_{a+k} is loss-masked and of a's document (a packed row's next example is
     never a label). `keep_soft`: keep the target's logits too. t2d [V] (a reduced draft vocabulary,
-    sorted by target id): labels in draft ids (`_draft_labels`)."""
+    sorted by target id): labels in draft ids (`_draft_labels`). `from_anchor` (DSpark's anchor-as-first
+    layout, models/dspark.py): the same blocks, but B labels x_{a+1} .. x_{a+B} (draft d is slot d-1)."""
     ids, docs, lmask, ctx_pos = batch["input_ids"], documents(batch), batch["loss_mask"], positions(batch)
     t, nb = ids.shape[1], cfg.block_size
     anchors = sample_anchors(docs, lmask, cfg.num_anchors, ctx_pos)
     block_ids, pos, mask = block_inputs(ids, docs, anchors, nb, cfg.mask_token_id, ctx_pos)
     blk_b = torch.cat([torch.full_like(a, b) for b, a in enumerate(anchors)])
     blk_j = torch.cat([torch.arange(len(a), device=ids.device) for a in anchors])
-    lab = torch.cat(anchors)[:, None] + torch.arange(1, nb, device=ids.device)  # [N, B-1]: x_{a+k}
+    lab = torch.cat(anchors)[:, None] + torch.arange(1, nb + from_anchor, device=ids.device)  # [N, K]: x_{a+d}
     seq = blk_b[:, None].expand_as(lab)
     # Blocks running past the end, or into the next example of a packed row, are masked there: slot k
     # is trained only where same_document(docs, k) holds at a (x_{a+k} is a's own example's token).
@@ -607,9 +610,10 @@ class BlockProposer(Proposer):
         return self.logits(self.block_hidden(tokens, feats, m))
 
     @torch.no_grad()
-    def block_hidden(self, tokens: torch.Tensor, feats: dict, m: int) -> torch.Tensor:
+    def block_hidden(self, tokens: torch.Tensor, feats: dict, m: int, from_anchor: bool = False) -> torch.Tensor:
         """Cache the ctx K/V of newly verified positions, run the block [bonus, mask x m] -> the
-        outputs [m, H] of slots 1..m, what lm_head reads."""
+        outputs [m, H] of slots 1..m, what lm_head reads. `from_anchor` (DSpark's anchor-as-first
+        layout): the block [bonus, mask x (m-1)] -> the outputs of slots 0..m-1."""
         d, device = self.drafter, tokens.device
         n_feats = next(iter(feats.values())).shape[1]  # features of every token but the newest
         if n_feats > self.n_real:
@@ -623,12 +627,13 @@ class BlockProposer(Proposer):
             self.n_real = n_feats
         # The bonus x_{n-1} (position n-1 = n_feats), then m mask slots; every slot sees all ctx and the block.
         assert self.cfg.mask_token_id is not None  # the proposer's config is resolved (make_proposer)
+        masks = m - from_anchor
         ids = torch.cat(
-            [tokens[:, n_feats : n_feats + 1], torch.full((1, m), self.cfg.mask_token_id, device=device)], 1
+            [tokens[:, n_feats : n_feats + 1], torch.full((1, masks), self.cfg.mask_token_id, device=device)], 1
         )
-        pos = torch.arange(n_feats, n_feats + 1 + m, device=device)[None]
+        pos = torch.arange(n_feats, n_feats + 1 + masks, device=device)[None]
         out = block_pass(d, self.embed(ids).to(d.fc.weight.dtype), pos, self.kv, around=self.around)
-        return out[0, 1:]  # slot 0's output is unused
+        return out[0, int(not from_anchor) :]  # fill-in: slot 0's output is unused
 
 
 def make_proposer(drafter, target, cfg: DrafterConfig) -> BlockProposer:

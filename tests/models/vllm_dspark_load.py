@@ -17,6 +17,7 @@ from vllm_loading import build, load  # this folder (the script's own, first on 
 
 KEYS = ("architectures", "markov_rank", "enable_confidence_head", "confidence_head_with_markov", "mask_token_id")
 KEYS += ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size", "vocab_size", "sample_from_anchor")
+KEYS += ("dspark_bonus_anchor", "block_size")
 
 
 def main(export_dir: str, target_dir: str) -> None:
