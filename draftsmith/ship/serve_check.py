@@ -43,6 +43,7 @@ from draftsmith.eval.run import evaluate, target_baseline
 from draftsmith.models.folder import read_drafter_meta
 from draftsmith.models.readers import import_export
 from draftsmith.models.registry import DRAFTERS, drafter_family, load_drafter, target_to_load_on
+from draftsmith.ship import deploy
 from draftsmith.ship.export import export
 from draftsmith.target import vllm_server
 from draftsmith.target.load import load_target, resolve_target
@@ -230,6 +231,7 @@ class Served:
     refusal: str | None = None  # vLLM's error when it refused the export
     exact: bool = True  # the target decoded in fp32, where outputs must be identical
     divergences: list[dict] | None = None  # low precision: where vLLM's two outputs part (`divergences`)
+    serve_kwargs: dict | None = None  # how the servers were started (`vllm_server.serve`'s keywords)
 
 
 def serve_check(
@@ -248,8 +250,10 @@ def serve_check(
     vllm_python: str | None = None,
     port: int = 0,
     extra: tuple[str, ...] = (),
+    deploy_k: list[int] | None = None,
 ) -> dict:
-    """Run the check (module docstring); write OUT/serve_check.json, .md and .png -> the result."""
+    """Run the check (module docstring); write OUT/serve_check.json, .md and .png -> the result.
+    `deploy_k`: also serve these K at every concurrency and write OUT/deploy/vllm.json (`deploy_curve`)."""
     path, out = Path(path), Path(out)
     concurrency = sorted(set(concurrency or [1]) | {1})
     if server is None or target_server is None:
@@ -278,6 +282,8 @@ def serve_check(
         extra=extra,
     )
     result = serve_report(run, data, max_new_tokens, dtype, concurrency)
+    if deploy_k and run.spec is not None:
+        result["deploy"] = deploy_curve(run, config, deploy_k, max_new_tokens, concurrency, out, vllm_python)
     write(result, out)
     return result
 
@@ -337,6 +343,7 @@ def decode_both(
     plain = vllm_side(served, prompts, max_new_tokens, concurrency, url=target_server, **kw)
     kw["extra"] = (*family_args, *extra)  # what the family's export needs, then the user's flags
     run = Served(export_dir, family.NAME, speculative, family_args, served, prompts, k, ours, ours_ref, plain)
+    run.serve_kwargs = kw
     try:
         run.spec = vllm_side(served, prompts, max_new_tokens, concurrency, speculative, url=server, **kw)
     except DraftsmithError as e:  # vLLM refused the export: that is the finding
@@ -348,6 +355,61 @@ def decode_both(
         served_model = load_target(served, dtype)[0] if info.get("backbone") else target
         run.divergences = divergences(served_model, prompts, run.spec["outputs"], plain["outputs"], tok.eos_token_id)
     return run
+
+
+def deploy_curve(
+    run: Served,
+    config: dict,
+    ks: list[int],
+    max_new_tokens: int,
+    concurrency: list[int],
+    out: Path,
+    python: str | None,
+) -> dict:
+    """`serve-check --deploy-k`: vLLM serves the export at each K of `ks` (the check's own K is measured
+    already) and times every concurrency; the K fastest at each becomes OUT/deploy/vllm.json
+    (ship/deploy.py), which vLLM's own config code then reads back, and one more server runs with it to
+    show the K vLLM drafted at each concurrency (draft tokens per draft, from its counters)."""
+    serving = drafter_family(config["draftsmith"]["drafter"]).vllm_serving
+    assert serving is not None and run.spec is not None  # decode_both served this family's export
+    kw = run.serve_kwargs or {}
+    speeds = {run.k: run.spec["tokens_per_s"]}
+    for k in ks:
+        speculative = serving(run.export_dir.resolve(), config, k)[0]
+        if speculative["num_speculative_tokens"] not in speeds:  # Medusa drafts its heads whatever K asks
+            side = vllm_side(run.served, run.prompts, max_new_tokens, concurrency, speculative, **kw)
+            speeds[speculative["num_speculative_tokens"]] = side["tokens_per_s"]
+    best = deploy.fastest_k(run.plain["tokens_per_s"], speeds)
+    chosen = deploy.deploy_config(run.speculative, best)
+    python = vllm_server.find_python(python)
+    vllm_reads = deploy.in_vllm(chosen, run.served, python, kw.get("max_model_len", 1024), max(concurrency))
+    drafted = drafted_k(run, chosen, max_new_tokens, concurrency)
+    measured = {
+        "target_tokens_per_s": run.plain["tokens_per_s"],
+        "spec_tokens_per_s": {k: speeds[k] for k in sorted(speeds)},
+        "fastest_k": best,
+        "vllm_reads": vllm_reads,
+        "served": drafted,
+    }
+    path = deploy.write(chosen, out / "deploy", measured)
+    return {"path": str(path), "speculative_config": chosen, **measured}
+
+
+def drafted_k(run: Served, speculative: dict, max_new_tokens: int, concurrency: list[int]) -> dict:
+    """vLLM serving the prompts with `speculative` at each concurrency -> {concurrency: {tokens_per_s,
+    draft_tokens_per_draft (the K it drafted, averaged over its drafting steps; 0: it did not draft)}}."""
+    got = {}
+    with vllm_server.serve(run.served, speculative=speculative, **(run.serve_kwargs or {})) as server:
+        vllm_server.complete(server, run.prompts[0][:8], 4)  # warm-up
+        for c in concurrency:
+            before = vllm_server.spec_counters(server)
+            outs, seconds = vllm_server.complete_all(server, run.prompts, max_new_tokens, c)
+            delta = vllm_server.counter_delta(vllm_server.spec_counters(server), before)
+            got[c] = {
+                "tokens_per_s": round(sum(map(len, outs)) / seconds, 2),
+                "draft_tokens_per_draft": round(delta["num_draft_tokens"] / max(delta["num_drafts"], 1), 3),
+            }
+    return got
 
 
 def serve_report(run: Served, data: str, max_new_tokens: int, dtype: str, concurrency: list[int]) -> dict:
@@ -506,8 +568,38 @@ def markdown(r: dict) -> str:
                 + "."
             ),
             "",
+            *_deploy_lines(r.get("deploy")),
         ]
     )
+
+
+def _deploy_lines(d: dict | None) -> list[str]:
+    """The deploy config's section: tokens/s per K and concurrency, the K chosen, and vLLM serving it."""
+    if not d:
+        return []
+    ks = list(d["spec_tokens_per_s"])
+    levels = list(d["target_tokens_per_s"])
+    return [
+        f'Deploy config `{d["path"]}` (pass it as `vllm serve ... --speculative-config "$(cat {d["path"]})"`): '
+        f"`{deploy.SCHEDULE_KEY}` {d['speculative_config'][deploy.SCHEDULE_KEY]}, the K with the most vLLM tokens/s "
+        "at each concurrency (0: the target alone was faster).",
+        "",
+        "| concurrency | target tok/s | "
+        + " | ".join(f"K={k} tok/s" for k in ks)
+        + " | K chosen | served with it: tok/s | K drafted |",
+        "|---|---|" + "---|" * len(ks) + "---|---|---|",
+        *[
+            f"| {c} | {d['target_tokens_per_s'][c]:.1f} | "
+            + " | ".join(f"{d['spec_tokens_per_s'][k][c]:.1f}" for k in ks)
+            + f" | {d['fastest_k'][c]} | {d['served'][c]['tokens_per_s']:.1f} | {d['served'][c]['draft_tokens_per_draft']:.2f} |"
+            for c in levels
+        ],
+        "",
+        f"vLLM's own config code reads it as K {d['vllm_reads']['k_per_batch_size']} for batch sizes 1.."
+        f"{len(d['vllm_reads']['k_per_batch_size'])} (method {d['vllm_reads']['method']}, "
+        f"num_speculative_tokens {d['vllm_reads']['num_speculative_tokens']}).",
+        "",
+    ]
 
 
 def _vllm_lossless_cell(r: dict, yes) -> str:

@@ -189,6 +189,50 @@ def test_eagle3_export_served_by_vllm_matches_draftsmith(pattern, trained, targe
     assert not _processes_with(str(tmp_path / "sc" / "export"))  # the speculative server is gone
 
 
+@needs_vllm
+def test_vllms_own_config_code_reads_the_deploy_schedule_and_refuses_a_bad_one(pattern):
+    from draftsmith.ship import deploy
+
+    config = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+        deploy.SCHEDULE_KEY: deploy.schedule({1: 3, 2: 3, 4: 2, 8: 0}),
+    }
+    python = vllm_server.find_python()
+    got = deploy.in_vllm(deploy.check(config), str(pattern["target"]), python, 512, 10)
+    assert got["method"] == "ngram" and got["num_speculative_tokens"] == 3
+    assert got["k_per_batch_size"] == [3, 3, 3, 2, 2, 2, 2, 0, 0, 0]  # batch sizes 1..10; 8 on carries 0
+    # What draftsmith's check would refuse first, vLLM refuses too, in one line with its reason.
+    with pytest.raises(
+        DraftsmithError, match=r"vLLM refuses it \(ValueError: The first batch-size range must start at 1"
+    ) as e:
+        deploy.in_vllm({**config, deploy.SCHEDULE_KEY: [[2, 4, 3]]}, str(pattern["target"]), python, 512, 10)
+    assert "\n" not in str(e.value)
+
+
+@needs_vllm
+@pytest.mark.vllm_families
+def test_serve_check_writes_the_deploy_config_vllm_serves_with_the_k_it_chose(
+    pattern, trained, target_server, tmp_path
+):
+    from draftsmith.ship import deploy
+
+    r = _check(pattern, target_server, trained("eagle3"), tmp_path / "sc", concurrency=[1, 4], deploy_k=[1, 3])
+    assert r["passed"], r.get("why")
+    d = r["deploy"]
+    config = deploy.read(tmp_path / "sc" / "deploy" / "vllm.json")
+    assert config == d["speculative_config"] and config["method"] == r["speculative_config"]["method"]
+    assert sorted(d["spec_tokens_per_s"]) == [1, 3] and sorted(d["fastest_k"]) == [1, 4]
+    for c, k in d["fastest_k"].items():  # the chosen K is the fastest measured there
+        fastest = max(d["spec_tokens_per_s"][j][c] for j in (1, 3))
+        assert (k == 0 and fastest <= d["target_tokens_per_s"][c]) or d["spec_tokens_per_s"][k][c] == fastest
+    assert d["vllm_reads"]["k_per_batch_size"][0] == d["fastest_k"][1]
+    assert d["served"][1]["draft_tokens_per_draft"] == pytest.approx(d["fastest_k"][1], abs=0.01)
+    assert "Deploy config" in (tmp_path / "sc" / "serve_check.md").read_text()
+
+
 def _break(export_dir: Path, how: str) -> None:
     """`rows`: the head's lm_head rows rolled by one (every draft token is the wrong one); `ids`: the
     aux layer ids one lower, the classic off-by-one (vLLM then taps other layers)."""
