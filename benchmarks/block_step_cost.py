@@ -56,7 +56,9 @@ def measure(family: str, dcfg, target, batch: dict, draft_vocab: int, reps: int 
         drafter.zero_grad(set_to_none=True)
         return int(n)
 
-    rows = step() * (dcfg.block_size - 1)  # n counts blocks; each trains its B-1 mask slots
+    drafts = fam.max_draft_depth(dcfg)  # a block family's K: B-1, or B for DSpark anchor-as-first
+    assert drafts is not None, f"{family} is not a block family"
+    rows = step() * drafts  # n counts blocks; each trains its K drafts
     whole = timed(step, reps)
     weight = target.get_output_embeddings().weight  # frozen: only the slots' outputs get a gradient
 

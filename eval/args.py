@@ -23,7 +23,7 @@ class EvalArgs:
     target: str | None = None
     """target id/path/alias (default: the one the drafter was trained for)"""
     data: str
-    """holdout: jsonl/json/parquet path or builtin:code-holdout"""
+    """holdout: jsonl/json/parquet path, builtin:code-holdout, or a benchmark: bench:humaneval, bench:mt-bench, bench:gsm8k, bench:speed-bench"""
     k: int = field(metadata=EVAL)
     tree: str | None = field(metadata=EVAL)
     """draft tree instead of a chain: 'dynamic[:depth=5,top_k=8,tokens=48]' (EAGLE-2) or
