@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from draftsmith.eval.run import evaluate, target_baseline
 from draftsmith.models.folder import read_drafter_meta
 from draftsmith.models.readers import import_export
 from draftsmith.models.registry import DRAFTERS, drafter_family, load_drafter, target_to_load_on
-from draftsmith.ship import deploy
+from draftsmith.ship import deploy, replay_check
 from draftsmith.ship.export import export
 from draftsmith.target import vllm_server
 from draftsmith.target.load import load_target, resolve_target
@@ -137,10 +138,11 @@ def draftsmith_side(
     num_prompts: int,
     max_new_tokens: int,
     batch_sizes: list[int] | None,
-) -> tuple[dict, list]:
-    """draftsmith's eval of the drafter with chain K -> (report, target-only greedy outputs). The
-    drafter is the trained one (`source`) when known, so a wrong export shows as a difference;
-    otherwise the export read back by draftsmith."""
+) -> tuple[dict, list, Resolved]:
+    """draftsmith's eval of the drafter with chain K -> (report, target-only greedy outputs, the drafter
+    as it decoded: its proposer and verifier, for the replay). The drafter is the trained one
+    (`source`) when known, so a wrong export shows as a difference; otherwise the export read back by
+    draftsmith."""
     info = config["draftsmith"]
     if source is not None:
         family, dcfg, drafter = load_drafter(source, target_to_load_on(target, source))
@@ -153,8 +155,9 @@ def draftsmith_side(
     proposer = family.make_proposer(drafter, verifier, dcfg)
     cfg = EvalConfig(k=k, num_prompts=num_prompts, max_new_tokens=max_new_tokens)  # greedy, chains
     baseline = target_baseline(verifier, tok, data, cfg)
+    resolved = Resolved(family.NAME, proposer, verifier, None)
     report = evaluate(
-        Resolved(family.NAME, proposer, verifier, None),
+        resolved,
         tok,
         data,
         None,
@@ -163,7 +166,7 @@ def draftsmith_side(
         baseline=baseline,
         batch_sizes=batch_sizes,
     )
-    return report, [out for out, _ in baseline]
+    return report, [out for out, _ in baseline], resolved
 
 
 def _dtype(model) -> str:
@@ -179,13 +182,17 @@ def vllm_side(
     url: str | None = None,
     **serve_kwargs,
 ) -> dict:
-    """One vLLM server (started here unless `url`): greedy outputs at concurrency 1, the speculation
-    counters of that run, and tokens/s at every concurrency level."""
+    """One vLLM server (started here unless `url`): greedy outputs at concurrency 1 with each request's
+    verification rounds (None where the server reports none), the speculation counters of that run,
+    and tokens/s at every concurrency level."""
     with vllm_server.serve(served, url=url, speculative=speculative, **serve_kwargs) as server:
         vllm_server.complete(server, prompts[0][:8], 4)  # warm-up: first-request costs stay out of the timing
         before = vllm_server.spec_counters(server)
-        outs, seconds = vllm_server.complete_all(server, prompts, max_new_tokens, 1)
+        start = time.perf_counter()
+        answers = [vllm_server.completion(server, p, max_new_tokens) for p in prompts]  # concurrency 1
+        seconds = time.perf_counter() - start
         counters = vllm_server.counter_delta(vllm_server.spec_counters(server), before)
+        outs = [ids for ids, _ in answers]
         speed = {1: sum(map(len, outs)) / seconds}
         for c in concurrency:
             if c != 1:
@@ -193,6 +200,7 @@ def vllm_side(
                 speed[c] = sum(map(len, got)) / s
     return {
         "outputs": outs,
+        "rounds": [rounds for _, rounds in answers],
         "counters": counters,
         "tokens_per_s": speed,
         "version": server.version,
@@ -232,6 +240,7 @@ class Served:
     exact: bool = True  # the target decoded in fp32, where outputs must be identical
     divergences: list[dict] | None = None  # low precision: where vLLM's two outputs part (`divergences`)
     serve_kwargs: dict | None = None  # how the servers were started (`vllm_server.serve`'s keywords)
+    replay: dict | None = None  # vLLM's rounds replayed by draftsmith on vLLM's text (ship/replay_check.py)
 
 
 def serve_check(
@@ -320,7 +329,7 @@ def decode_both(
     info = config["draftsmith"]
     served = str((export_dir / info["backbone"]).resolve() if info.get("backbone") else resolve_target(info["target"]))
     prompts = [encode_prompt(tok, p) for p in load_prompts(data, num_prompts)]
-    ours, ours_ref = draftsmith_side(
+    ours, ours_ref, resolved = draftsmith_side(
         export_dir,
         config,
         source,
@@ -341,7 +350,8 @@ def decode_both(
         log_dir=out,
     )
     plain = vllm_side(served, prompts, max_new_tokens, concurrency, url=target_server, **kw)
-    kw["extra"] = (*family_args, *extra)  # what the family's export needs, then the user's flags
+    # What the family's export needs, each request's rounds for the replay, then the user's flags.
+    kw["extra"] = (*family_args, *vllm_server.PER_REQUEST_SPEC_METRICS, *extra)
     run = Served(export_dir, family.NAME, speculative, family_args, served, prompts, k, ours, ours_ref, plain)
     run.serve_kwargs = kw
     try:
@@ -349,6 +359,9 @@ def decode_both(
     except DraftsmithError as e:  # vLLM refused the export: that is the finding
         run.refusal = str(e)
         return run
+    run.replay = replay_check.compare(
+        resolved.verifier, resolved.proposer, prompts, run.spec["outputs"], run.spec["rounds"], k
+    )
     run.exact = next(target.parameters()).dtype == torch.float32  # what `dtype` (`auto` too) resolved to
     if not run.exact:  # where vLLM's speculative outputs part from its target-only ones, and at what gap
         # on the model vLLM verified with (Medusa-2: the exported backbone, not the original target)
@@ -465,6 +478,7 @@ def serve_report(run: Served, data: str, max_new_tokens: int, dtype: str, concur
     result["draftsmith_batch_curve"] = ours.get("batch_curve")
     if run.divergences is not None:  # low precision only: fp32 checks identity itself
         result["divergences"] = run.divergences
+    result["replay"] = run.replay
     why = failures(result, ours, run.exact)
     result.update(passed=not why, why="; ".join(why) or None)
     return result
@@ -472,7 +486,9 @@ def serve_report(run: Served, data: str, max_new_tokens: int, dtype: str, concur
 
 def failures(result: dict, ours: dict, exact: bool) -> list[str]:
     """Why the check fails, one clause per reason (none: it passed). fp32 asks identical outputs; in
-    low precision vLLM's outputs may part only at near-ties; τ must agree within `tau_tolerance`."""
+    low precision vLLM's outputs may part only at near-ties. Acceptance: where vLLM reported its rounds,
+    both engines on vLLM's own text, per position within the prompts' sampling error
+    (ship/replay_check.py); otherwise τ on each engine's own text within `tau_tolerance`."""
     n, why = result["num_prompts"], []
     if ours["rule_exact"] is False:
         why.append("draftsmith's greedy rounds broke the verification rule (rule_exact false)")
@@ -492,7 +508,10 @@ def failures(result: dict, ours: dict, exact: bool) -> list[str]:
             f"vLLM's target-only outputs differ from draftsmith's on "
             f"{n - result['prompts_identical_to_draftsmith']} of {n} prompts (fp32)"
         )
-    if not result["tau_rel_diff"] <= result["tau_tolerance"]:
+    replayed = result.get("replay") or {}
+    if replayed.get("available") and replayed["judged"]:
+        why += replay_check.failures(replayed)
+    elif not result["tau_rel_diff"] <= result["tau_tolerance"]:
         why.append(
             f"τ {result['vllm_tau']:.3f} in vLLM vs {ours['tau']:.3f} in draftsmith: {result['tau_rel_diff']:.1%} "
             f"apart, more than the {result['tau_tolerance']:.1%} tolerance"
@@ -509,7 +528,17 @@ def summary(r: dict) -> str:
         f"served by {r['vllm_version']}: τ {r['vllm_tau']:.2f} in vLLM vs {r['draftsmith_tau']:.2f} in draftsmith "
         f"(per-position {' '.join(f'{p:.2f}' for p in r['vllm_per_position'])}), outputs identical to vLLM's "
         f"target-only on {r['prompts_identical_to_target_only']}/{r['num_prompts']} prompts, vLLM speedup "
-        f"{c1['speedup']:.2f}x at concurrency 1 ({r['dtype']}) — {'passed' if r['passed'] else 'FAILED: ' + r['why']}"
+        f"{c1['speedup']:.2f}x at concurrency 1 ({r['dtype']}){_replay_clause(r.get('replay'))} — "
+        f"{'passed' if r['passed'] else 'FAILED: ' + r['why']}"
+    )
+
+
+def _replay_clause(p: dict | None) -> str:
+    if not p or not p["available"]:
+        return ""
+    return (
+        f"; on vLLM's text τ {p['vllm_tau']:.2f} vs {p['draftsmith_tau']:.2f} replayed "
+        f"({p['tau_diff']:+.3f}, tolerance {p['tau_tolerance']:.3f})"
     )
 
 
@@ -549,7 +578,9 @@ def markdown(r: dict) -> str:
             "explains both).",
             "",
             *_divergence_lines(r),
-            f"τ differs by {r['tau_rel_diff']:.1%} (tolerance {r['tau_tolerance']:.1%}): "
+            *_replay_lines(r.get("replay")),
+            f"τ on each engine's own text differs by {r['tau_rel_diff']:.1%} (tolerance {r['tau_tolerance']:.1%}"
+            f"{', informative only: the verdict compares the same text above' if (r.get('replay') or {}).get('judged') else ''}): "
             f"**{'passed' if r['passed'] else 'FAILED: ' + r['why']}**.",
             "",
             "| concurrency | vLLM target tok/s | vLLM spec tok/s | vLLM speedup |",
@@ -598,6 +629,36 @@ def _deploy_lines(d: dict | None) -> list[str]:
         f"vLLM's own config code reads it as K {d['vllm_reads']['k_per_batch_size']} for batch sizes 1.."
         f"{len(d['vllm_reads']['k_per_batch_size'])} (method {d['vllm_reads']['method']}, "
         f"num_speculative_tokens {d['vllm_reads']['num_speculative_tokens']}).",
+        "",
+    ]
+
+
+def _replay_lines(p: dict | None) -> list[str]:
+    """The same-text comparison (ship/replay_check.py): per position and τ, both engines, the paired
+    difference and its bootstrap interval over prompts."""
+    if not p:
+        return []
+    if not p["available"]:
+        return [f"Same-text comparison not made: {p['why']}.", ""]
+    pp = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    return [
+        f"On vLLM's own text, round by round ({p['rounds']} rounds whose drafts lie inside the text, "
+        f"{p['prompts']} prompts; draftsmith replays vLLM's rounds with the trained drafter):",
+        "",
+        "| | per-position acceptance | τ |",
+        "|---|---|---|",
+        f"| vLLM | {pp(p['vllm_per_position'])} | {p['vllm_tau']:.3f} |",
+        f"| draftsmith (replay) | {pp(p['draftsmith_per_position'])} | {p['draftsmith_tau']:.3f} |",
+        f"| difference | {pp(p['per_position_diff'])} | {p['tau_diff']:+.3f} |",
+        f"| tolerance (what chance explains: engines swapped per prompt) | {pp(p['per_position_tolerance'])} "
+        f"| {p['tau_tolerance']:.3f} |",
+        f"| sampling error of draftsmith's figure (95 %) | ±{' ±'.join(f'{e:.3f}' for e in p['per_position_sampling_error'])} "
+        f"| ±{p['tau_sampling_error']:.3f} |",
+        "",
+        "The check fails where a difference exceeds its tolerance."
+        if p["judged"]
+        else f"Too few prompts to judge by this ({p['prompts']}; at least {replay_check.min_prompts(len(p['per_position_diff']))}): "
+        "the τ tolerance below decides.",
         "",
     ]
 

@@ -44,6 +44,8 @@ INSTALL_HINT = (
 # regeneration of 16 concurrent answers needs, and lets a target-only and a speculative server coexist.
 CPU_KV_CACHE_BYTES = 2 * 1024**3
 SPEC_METRICS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+# vLLM 0.32 reports each request's verification rounds in its response with this flag (`completion`).
+PER_REQUEST_SPEC_METRICS = ("--per-request-spec-decode-metrics", "detailed")
 
 
 def find_python(explicit: str | None = None) -> str:
@@ -277,16 +279,19 @@ def _group_running(pgid: int) -> bool:
     return False
 
 
-def complete(
+def completion(
     server: Server,
     prompt_ids: list[int],
     max_tokens: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,
-) -> list[int]:
-    """One completion of a tokenized prompt -> the exact token ids vLLM generated (an EOS that
-    ended the answer included, as draftsmith's own decoders keep it)."""
+) -> tuple[list[int], dict | None]:
+    """One completion of a tokenized prompt -> (the exact token ids vLLM generated (an EOS that ended
+    the answer included, as draftsmith's own decoders keep it), this request's speculation counts or
+    None). The counts come with a server started with `PER_REQUEST_SPEC_METRICS`: vLLM's
+    `metrics.speculative_decoding`, whose `per_step_drafted` / `per_step_accepted` list every
+    verification round of the request in order."""
     body = {
         "model": server.model,
         "prompt": prompt_ids,
@@ -298,7 +303,20 @@ def complete(
     }
     if seed is not None:
         body["seed"] = seed
-    return list(_post(f"{server.url}/v1/completions", body)["choices"][0]["token_ids"])
+    answer = _post(f"{server.url}/v1/completions", body)
+    return list(answer["choices"][0]["token_ids"]), (answer.get("metrics") or {}).get("speculative_decoding")
+
+
+def complete(
+    server: Server,
+    prompt_ids: list[int],
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+) -> list[int]:
+    """`completion`'s token ids."""
+    return completion(server, prompt_ids, max_tokens, temperature, top_p, seed)[0]
 
 
 def complete_all(

@@ -1,0 +1,93 @@
+"""Replay: a drafter's acceptance on a continuation that is given, not decoded (teacher forcing).
+
+Two engines that serve one drafter can only be compared on the same text. Once a greedy decode
+parts from another at a near-tie (bf16 rounds a verification pass and a one-token step differently),
+each engine's τ is measured on its own continuation, and the comparison measures the texts. Replay
+fixes the text: the target runs once over prompt + continuation (its features are what a speculative
+decode of that text verifies), and at each round the drafter proposes from the continuation's prefix;
+the round accepts the drafts that equal the continuation's next tokens.
+
+The rounds are either given (another engine's: where each began and how many it drafted, e.g. vLLM's
+per-request `per_step_drafted` / `per_step_accepted`), so both engines are judged round by round on
+the same drafting positions; or the replay's own (advance past the accepted drafts and one more
+token), which is the greedy engine's own loop: on the target's greedy continuation, replay gives the
+engine's τ and per-position counts exactly (tests/engine/test_replay.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.engine.speculative import Stats
+from draftsmith.target.features import target_features
+
+
+@dataclass
+class Round:
+    """One verification round of a continuation: `start` = tokens of the continuation already
+    emitted before it (the prefill pass emits the first, so rounds start at 1); `drafted`: draft
+    tokens verified; `accepted`: how many of them were kept."""
+
+    start: int
+    drafted: int
+    accepted: int
+
+
+def rounds_from_steps(drafted: list[int], accepted: list[int], length: int) -> list[Round] | None:
+    """Another engine's per-round counts (in order) on a continuation of `length` tokens -> its rounds,
+    or None when they do not tile that continuation (an engine that skipped drafting on some steps:
+    then where a round began is unknown). Each round emits its accepted drafts and one token more;
+    the last may run past `length` (drafts accepted beyond max_tokens or an EOS, then cut)."""
+    rounds, start = [], 1
+    for d, a in zip(drafted, accepted):
+        if start >= length:
+            return None  # a round after the continuation ended
+        rounds.append(Round(start, d, a))
+        start += a + 1
+    return rounds if start >= length or not rounds else None
+
+
+def inside(r: Round, length: int) -> bool:
+    """Whether a round's drafts and bonus token all lie inside a continuation of `length` tokens: only
+    there is what the other engine accepted fully visible in the text (a last round cut at max_tokens
+    or after an EOS may have accepted drafts that are not in it)."""
+    return r.start + r.drafted + 1 <= length
+
+
+@torch.no_grad()
+def replay(target, proposer, prompt: list[int], continuation: list[int], k: int, rounds: list[Round] | None = None):
+    """Drafts of `proposer` on `continuation` (after `prompt`) -> (the rounds replayed, each with the
+    drafts this proposer got accepted, and their `Stats`). `rounds`: draft at those starts with
+    those draft counts; None: the replay's own greedy rounds of chain K = `k`."""
+    device = next(target.parameters()).device
+    names = tuple(proposer.feature_names)
+    ids = list(prompt) + list(continuation)
+    batch = {"input_ids": torch.tensor([ids], device=device), "attention_mask": None}
+    feats = target_features(target, batch, names) if names else {}
+    proposer.reset()
+    stats, done, start = Stats(k=max([k, *(r.drafted for r in rounds or [])])), [], 1
+    todo = iter(rounds) if rounds is not None else None
+    while True:
+        if todo is not None:
+            given = next(todo, None)
+            if given is None:
+                break
+            start, want = given.start, given.drafted
+        elif start >= len(continuation):
+            break
+        else:
+            want = k
+        n = len(prompt) + start  # tokens known when the round drafts; the target verified all but the newest
+        draft = proposer.propose(
+            torch.tensor([ids[:n]], device=device), {m: feats[m][:, : n - 1] for m in names}, want
+        ).tokens
+        # The continuation ends at an EOS or at the budget: a draft is kept only where the text goes on.
+        truth = continuation[start : start + len(draft)]
+        accepted = next((i for i, (a, b) in enumerate(zip(draft, truth)) if a != b), len(truth))
+        emitted = min(accepted + 1, len(continuation) - start)
+        stats.record(len(draft), accepted, emitted, len(draft))
+        done.append(Round(start, len(draft), accepted))
+        start += accepted + 1
+    return done, stats
