@@ -227,8 +227,9 @@ def speculative_decode_batch(
                 proposers[b].observe(draft, row_logits, path, new)
             tokens[b] += new
             if stats is not None:
-                stats.record(len(draft.tokens), min(len(path), len(new)), len(new), draft.max_depth)
-                stats.record_confidence(draft.confidence, len(draft.tokens), len(path))
+                accepted = min(len(path), len(new))
+                stats.record(len(draft.tokens), accepted, len(new), draft.max_depth)
+                stats.record_confidence(draft.confidence, len(draft.tokens), accepted, len(new))
         batch.valid[:, -ids.shape[1] :] = kept
         _keep(batch, [i for i, b in enumerate(batch.rows) if is_open(b)])
     return [t[len(p) :] for t, p in zip(tokens, prompts)]

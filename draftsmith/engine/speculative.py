@@ -60,17 +60,25 @@ class Stats:
         self.emitted += n_emitted
         self.proposed += n_draft
         self.accepted += n_accepted
-        # Position (depth) j is reached iff positions 0..j-1 were all accepted.
-        for j in range(min(n_accepted + 1, depth)):
+        # Position (depth) j is reached iff positions 0..j-1 were all accepted. A round cut by the
+        # budget or an EOS inside its accepted drafts emits no token of the target's after them
+        # (n_emitted == n_accepted): the draft after them was never judged, so it is not counted.
+        judged = n_accepted + 1 if n_emitted > n_accepted else n_accepted
+        for j in range(min(judged, depth)):
             self.reached[j] += 1
             self.accepted_at[j] += int(j < n_accepted)
 
-    def record_confidence(self, confidence: list[float] | None, n_verified: int, n_accepted: int) -> None:
+    def record_confidence(
+        self, confidence: list[float] | None, n_verified: int, n_accepted: int, n_emitted: int
+    ) -> None:
         """Draft j was reached (drafts < j accepted) iff j <= n_accepted; its outcome is j < n_accepted.
-        Positions after the first rejection say nothing about c_j, which is conditional on reaching j."""
+        Positions after the first rejection say nothing about c_j, which is conditional on reaching j;
+        nor does the draft after a round cut inside its accepted drafts (`record`): the same drafts as
+        `reached` counts."""
         if confidence is None:
             return
-        for j in range(min(n_accepted + 1, n_verified)):
+        judged = n_accepted + 1 if n_emitted > n_accepted else n_accepted
+        for j in range(min(judged, n_verified)):
             self.confidence_outcomes.append((float(confidence[j]), int(j < n_accepted)))
 
     @property
@@ -240,6 +248,7 @@ def speculative_decode(
             proposer.observe(draft, logits[0], path, new)
         tokens += new
         if stats is not None:
-            stats.record(len(draft.tokens), min(len(path), len(new)), len(new), draft.max_depth)
-            stats.record_confidence(draft.confidence if tree is None else None, len(draft.tokens), len(path))
+            accepted = min(len(path), len(new))
+            stats.record(len(draft.tokens), accepted, len(new), draft.max_depth)
+            stats.record_confidence(draft.confidence if tree is None else None, len(draft.tokens), accepted, len(new))
     return tokens[len(prompt) :]
