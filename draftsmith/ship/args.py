@@ -1,4 +1,4 @@
-"""The flags of the shipping commands (`draftsmith export`, `publish`, `serve-check`): one dataclass a
+"""The flags of the shipping commands (`draftsmith export`, `publish`, `serve-check`, `bakeoff`): one dataclass a
 command, one field a flag, the docstring its help (draftsmith/util/flags.py builds the parser).
 Light on purpose: `draftsmith --help` imports this module, and ship/commands.py only when one runs."""
 
@@ -91,3 +91,38 @@ class ServeCheckArgs:
     vllm_arg: list[str] = field(default_factory=list)
     """an extra `vllm serve` flag, passed unchanged (repeat; e.g. --vllm-arg=--tensor-parallel-size
     --vllm-arg=8)"""
+
+
+@dataclass(kw_only=True)
+class BakeoffArgs:
+    drafter: list[str]
+    """a trained drafter folder (…/final), taken as it is, or a recipe .yaml, trained first for --steps
+    optimizer steps into OUT/train/ (repeat: one per drafter)"""
+    data: list[str]
+    """a domain's holdout prompts (repeat), e.g. builtin:code-holdout, builtin:prose-holdout, bench:humaneval,
+    a jsonl"""
+    out: str
+    """folder for bakeoff.json / .md / .png, deploy/vllm.json, train/ (the recipes' runs) and cells/ (each
+    drafter × domain's report)"""
+    steps: int | None = None
+    """the equal training budget: optimizer steps for every recipe (required when a --drafter is a recipe)"""
+    train_data: str | None = None
+    """train every recipe on this dataset (its data.train) instead of the recipe's own"""
+    train_arg: list[str] = field(default_factory=list)
+    """a KEY=VALUE override for every recipe's training (repeat), e.g. --train-arg optim.batch_size=8"""
+    concurrency: str = "1,2,4,8,16"
+    """numbers of concurrent requests in vLLM (draftsmith's engine: batch sizes) to measure tokens/s at"""
+    k: int = 3
+    """draft tokens per step, in vLLM and draftsmith alike (Medusa: its heads)"""
+    num_prompts: int = 16
+    """prompts per domain (at least the largest --concurrency)"""
+    max_new_tokens: int = 64
+    dtype: str = field(default="float32", metadata={"type": dtype_arg})
+    """both engines' precision (default float32: greedy outputs must then agree token for token)"""
+    deploy_k: str = ""
+    """the K values deploy/vllm.json chooses among at each concurrency, e.g. 1,2,3,4 (default: --k alone,
+    so speculation is on or off per batch size)"""
+    vllm_python: str | None = None
+    """the Python of an environment with vLLM (default: $DRAFTSMITH_VLLM_PYTHON, then .venv-vllm)"""
+    vllm_arg: list[str] = field(default_factory=list)
+    """an extra `vllm serve` flag, passed unchanged to every server (repeat)"""

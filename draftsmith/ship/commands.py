@@ -1,4 +1,4 @@
-"""The shipping commands: `draftsmith export`, `publish` and `serve-check` (their flags: ship/args.py).
+"""The shipping commands: `draftsmith export`, `publish`, `serve-check` and `bakeoff` (their flags: ship/args.py).
 Each checks its inputs before a model loads."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from draftsmith import DraftsmithError
 from draftsmith.data.load import load_prompts
 from draftsmith.engine.batched import parse_batch_sizes
 from draftsmith.models.folder import read_drafter_meta
-from draftsmith.ship.args import ExportArgs, PublishArgs, ServeCheckArgs
+from draftsmith.ship.args import BakeoffArgs, ExportArgs, PublishArgs, ServeCheckArgs
+from draftsmith.ship.bakeoff import bakeoff, table
 from draftsmith.ship.export import export
 from draftsmith.ship.publish import checked_inputs, publish, speculators_line, verify_export
 from draftsmith.ship.serve_check import markdown, serve_check, summary
@@ -107,3 +108,25 @@ def run_serve_check(args: ServeCheckArgs) -> None:
         raise DraftsmithError(
             f"serve-check {args.dir}: {'vLLM did not load the export: ' if not r['loaded'] else ''}{r['why']}"
         )
+
+
+def run_bakeoff(args: BakeoffArgs) -> None:
+    r = bakeoff(
+        args.drafter,
+        args.data,
+        args.out,
+        steps=args.steps,
+        concurrency=parse_batch_sizes(args.concurrency, "--concurrency"),
+        k=args.k,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype,
+        deploy_k=parse_batch_sizes(args.deploy_k, "--deploy-k") if args.deploy_k else None,
+        train_data=args.train_data,
+        train_args=args.train_arg,
+        vllm_python=args.vllm_python,
+        extra=tuple(args.vllm_arg),
+    )
+    print(table(r))
+    deployed = r["deploy"]["path"] or f"no deploy config ({r['deploy']['why']})"
+    print(f"wrote {args.out}/bakeoff.json, bakeoff.md, bakeoff.png; {deployed}")
