@@ -67,18 +67,9 @@ def replay(target, proposer, prompt: list[int], continuation: list[int], k: int,
     batch = {"input_ids": torch.tensor([ids], device=device), "attention_mask": None}
     feats = target_features(target, batch, names) if names else {}
     proposer.reset()
-    stats, done, start = Stats(k=max([k, *(r.drafted for r in rounds or [])])), [], 1
-    todo = iter(rounds) if rounds is not None else None
-    while True:
-        if todo is not None:
-            given = next(todo, None)
-            if given is None:
-                break
-            start, want = given.start, given.drafted
-        elif start >= len(continuation):
-            break
-        else:
-            want = k
+    stats = Stats(k=max([k, *(r.drafted for r in rounds or [])]))
+
+    def draft_at(start: int, want: int) -> Round:
         n = len(prompt) + start  # tokens known when the round drafts; the target verified all but the newest
         draft = proposer.propose(
             torch.tensor([ids[:n]], device=device), {m: feats[m][:, : n - 1] for m in names}, want
@@ -86,8 +77,14 @@ def replay(target, proposer, prompt: list[int], continuation: list[int], k: int,
         # The continuation ends at an EOS or at the budget: a draft is kept only where the text goes on.
         truth = continuation[start : start + len(draft)]
         accepted = next((i for i, (a, b) in enumerate(zip(draft, truth)) if a != b), len(truth))
-        emitted = min(accepted + 1, len(continuation) - start)
-        stats.record(len(draft), accepted, emitted, len(draft))
-        done.append(Round(start, len(draft), accepted))
-        start += accepted + 1
+        stats.record(len(draft), accepted, min(accepted + 1, len(continuation) - start), len(draft))
+        return Round(start, len(draft), accepted)
+
+    if rounds is not None:
+        done = [draft_at(r.start, r.drafted) for r in rounds]
+    else:  # the greedy engine's loop: the next round starts past the accepted drafts and one more token
+        done, start = [], 1
+        while start < len(continuation):
+            done.append(draft_at(start, k))
+            start += done[-1].accepted + 1
     return done, stats
