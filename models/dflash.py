@@ -8,9 +8,12 @@ Decoding", arXiv:2602.06036) drafting B-1 tokens in ONE pass, as vLLM 0.32 serve
         the ctx rows skip input_layernorm, attention and MLP: each layer only projects them
     logits = target lm_head(norm(x)); slot k (1 <= k < B) drafts x_{a+k}; slot 0's output is unused
 
-Attention is bidirectional inside the block (every slot sees all B) and sees the ctx strictly before
-the anchor a. The embeddings and lm_head are the target's, frozen: the export ships neither (nor a
-d2t), so vLLM shares the target's. With `draft_vocab_size` the slots score only the most frequent
+Attention is bidirectional inside the block (every slot sees all B; the DFlash paper, z-lab, SpecForge)
+and sees the ctx strictly before the anchor a. `causal: true` makes it causal inside the block (slot k
+sees slots 0..k: speculators' default for its sliding-window layers, its RFC #979), exported as
+`sliding_window_non_causal: false`, which vLLM reads as `dflash_config.causal` for every layer.
+The embeddings and lm_head are the target's, frozen: the export ships neither (nor a d2t), so vLLM
+shares the target's. With `draft_vocab_size` the slots score only the most frequent
 trained tokens (FR-Spec) through a frozen copy of the target's lm_head rows for them, exported as
 lm_head.weight with d2t / t2d (vLLM's reduced-vocabulary DFlash and DSpark load both): the logits,
 the largest cost of a training step on a small target (benchmarks/block_step_cost.py), and of a
@@ -121,9 +124,14 @@ class DrafterConfig:
     """0: the target's whole vocabulary through its own lm_head (vLLM shares it). n > 0: the n most
     frequent trained tokens (FR-Spec, as EAGLE-3's): slots score only those, through a frozen copy of
     the target's lm_head rows for them, exported with d2t / t2d (see `add_draft_vocab`)."""
+    causal: bool = False
+    """Attention inside a block: false, bidirectional (every slot sees all B: the paper's); true, causal
+    (slot k sees slots 0..k, as speculators trains by default). Trained, drafted and exported alike."""
 
     def __post_init__(self):
         check_block_config(self)
+        if not isinstance(self.causal, bool):
+            raise DraftsmithError(f"drafter.causal: expected true or false, got {self.causal!r}")
 
 
 def check_block_config(cfg) -> None:
@@ -397,12 +405,13 @@ def sample_anchors(
     return out
 
 
-def block_inputs(ids, docs, anchors: list[torch.Tensor], block: int, mask_id: int, positions=None):
+def block_inputs(ids, docs, anchors: list[torch.Tensor], block: int, mask_id: int, positions=None, causal=False):
     """Packed blocks: sequence b's j-th anchor a fills query slots j*B .. j*B+B-1 (padded to the most
     blocks of any sequence) -> block ids [Bz, M], positions [Bz, M] (a's position in its document + k;
     positions [Bz, T]: `positions(batch)`, default 0..T-1), mask [Bz, 1, M, T+M]: a slot sees ctx keys
     p < a that are real tokens of a's document (docs [Bz, T]: `documents(batch)`, or a padded batch's
-    attention_mask), and the B keys of its own block (bidirectional); padding slots see themselves only."""
+    attention_mask), and the B keys of its own block (bidirectional; `causal`: slots 0..k of it, its
+    own included); padding slots see themselves only."""
     bsz, t, device = ids.shape[0], ids.shape[1], ids.device
     m = block * max((len(a) for a in anchors), default=0)
     k = torch.arange(block, device=device)
@@ -425,6 +434,8 @@ def block_inputs(ids, docs, anchors: list[torch.Tensor], block: int, mask_id: in
     before = torch.arange(t, device=device)[None, None] < anchor_of[:, :, None]
     ctx = before & (docs[:, None, :] != 0) & (docs[:, None, :] == doc_of[:, :, None])
     own = group[:, :, None] == group[:, None, :]
+    if causal:  # a block's slots are consecutive query indices: slot k sees the block's keys up to its own
+        own &= q[None, None, :] <= q[None, :, None]
     return block_ids, pos, torch.cat([ctx, own], dim=-1)[:, None]
 
 
@@ -459,7 +470,10 @@ def block_targets(
     ids, docs, lmask, ctx_pos = batch["input_ids"], documents(batch), batch["loss_mask"], positions(batch)
     t, nb = ids.shape[1], cfg.block_size
     anchors = sample_anchors(docs, lmask, cfg.num_anchors, ctx_pos)
-    block_ids, pos, mask = block_inputs(ids, docs, anchors, nb, cfg.mask_token_id, ctx_pos)
+    # DSpark and DFlash2 have no `causal`: their blocks stay bidirectional, as vLLM serves them.
+    block_ids, pos, mask = block_inputs(
+        ids, docs, anchors, nb, cfg.mask_token_id, ctx_pos, getattr(cfg, "causal", False)
+    )
     blk_b = torch.cat([torch.full_like(a, b) for b, a in enumerate(anchors)])
     blk_j = torch.cat([torch.arange(len(a), device=ids.device) for a in anchors])
     lab = torch.cat(anchors)[:, None] + torch.arange(1, nb + from_anchor, device=ids.device)  # [N, K]: x_{a+d}
@@ -632,7 +646,11 @@ class BlockProposer(Proposer):
             [tokens[:, n_feats : n_feats + 1], torch.full((1, masks), self.cfg.mask_token_id, device=device)], 1
         )
         pos = torch.arange(n_feats, n_feats + 1 + masks, device=device)[None]
-        out = block_pass(d, self.embed(ids).to(d.fc.weight.dtype), pos, self.kv, around=self.around)
+        mask = None  # bidirectional: every slot sees all ctx and the whole block
+        if getattr(self.cfg, "causal", False):  # all ctx, and the block's slots up to its own
+            q, ctx = 1 + masks, self.kv[0][0].shape[2]  # the ctx rows cached so far
+            mask = torch.ones(q, ctx + q, dtype=torch.bool, device=device).tril(ctx)[None, None]
+        out = block_pass(d, self.embed(ids).to(d.fc.weight.dtype), pos, self.kv, mask, self.around)
         return out[0, int(not from_anchor) :]  # fill-in: slot 0's output is unused
 
 
@@ -649,16 +667,18 @@ def _init_fields(config: dict) -> dict:
     SpecForge checkpoint (`dflash_config.target_layer_ids`, already layer outputs)."""
     if "draftsmith_format" in config:
         own = config["drafter_config"]
-        keys = ("aux_layers", "block_size", "mask_token_id", "num_layers", "draft_vocab_size")
+        keys = ("aux_layers", "block_size", "mask_token_id", "num_layers", "draft_vocab_size", "causal")
         return {k: own[k] for k in keys if k in own}
     if config.get("speculators_model_type") == "dflash":
-        return speculators_init_fields(config)
+        # vLLM's rule (update_dflash): causal = not sliding_window_non_causal, which defaults to true.
+        return {**speculators_init_fields(config), "causal": not config.get("sliding_window_non_causal", True)}
     native = config.get("dflash_config") or {}
     return {
         "aux_layers": native.get("target_layer_ids"),
         "mask_token_id": native.get("mask_token_id"),
         "block_size": native.get("block_size", config.get("block_size")),  # newer checkpoints nest it
         "num_layers": config.get("num_hidden_layers"),
+        "causal": native.get("causal"),  # None (unset): the recipe's
     }
 
 
@@ -730,8 +750,8 @@ def speculators_block_config(
         # vLLM reads layer *inputs* (hidden_states[i]); draftsmith names outputs: +1.
         "aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layers],
         "mask_token_id": cfg.mask_token_id,
-        # vLLM: causal = not sliding_window_non_causal, for every layer; the block is bidirectional.
-        "sliding_window_non_causal": True,
+        # vLLM: causal = not sliding_window_non_causal, for every layer (DSpark and DFlash2: bidirectional).
+        "sliding_window_non_causal": not getattr(cfg, "causal", False),
         "sample_from_anchor": False,
         **extra,
         "speculators_config": {

@@ -48,21 +48,36 @@ def test_block_mask_sees_ctx_before_the_anchor_and_its_whole_block():
     assert (
         mask[1, 0, 3:, :10].sum() == 0 and mask[1, 0, 3:, 10:].tolist() == torch.eye(6, dtype=torch.bool)[3:].tolist()
     )
+    # causal: the same ctx keys; inside its block slot k sees slots 0..k only.
+    _, _, causal = dflash.block_inputs(ids, attn, [torch.tensor([3, 6])], 3, mask_id=99, causal=True)
+    c = causal[0, 0]
+    assert torch.equal(c[:, :10], m[:, :10])
+    assert c[:, 10:].tolist() == [
+        [True, False, False, False, False, False],
+        [True, True, False, False, False, False],
+        [True, True, True, False, False, False],
+        [False, False, False, True, False, False],
+        [False, False, False, True, True, False],
+        [False, False, False, True, True, True],
+    ]
 
 
-def test_training_slots_equal_the_proposers_block(target4):
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_training_slots_equal_the_proposers_block(target4, causal):
     """The packed training forward gives, at slot k of anchor a, the logits the proposer (with its
     ctx K/V cache over rounds) gives for draft k after verifying x_0..x_a; and the ctx is strictly
-    before the anchor, the block bidirectional."""
+    before the anchor, the block bidirectional (`causal`: a slot never reads a later slot)."""
     torch.manual_seed(0)
-    cfg = _cfg()
+    cfg = _cfg(causal=causal)
     d = dflash.build(cfg, target4).eval()
     ids = torch.randint(5, 90, (1, 20))
     feats = _feats(target4, cfg, ids)
     aux = dflash.aux_features(feats, dflash.feature_names(cfg, target4.config))
     embed, lm_head = target4.get_input_embeddings(), target4.get_output_embeddings()
     anchors = torch.tensor([5, 9, 14])
-    block_ids, pos, mask = dflash.block_inputs(ids, torch.ones_like(ids), [anchors], 4, cfg.mask_token_id)
+    block_ids, pos, mask = dflash.block_inputs(
+        ids, torch.ones_like(ids), [anchors], 4, cfg.mask_token_id, causal=causal
+    )
     with torch.no_grad():
         out = d(aux, torch.arange(20)[None], embed(block_ids), pos, mask)
     proposer = dflash.make_proposer(d, target4, cfg)
@@ -71,7 +86,8 @@ def test_training_slots_equal_the_proposers_block(target4):
         ref = proposer.block_logits(ids[:, : a + 1], {n: f[:, :a] for n, f in feats.items()}, 3)
         assert torch.allclose(lm_head(out[0, j * 4 + 1 : j * 4 + 4]), ref, atol=1e-5), a
     assert proposer.n_real == 14 and proposer.kv[0][0].shape[2] == 14
-    # Features at or after the anchor change nothing; the last mask slot's input changes slot 1.
+    # Features at or after the anchor change nothing; the last mask slot's input changes slot 1 (causal:
+    # slot 3 only).
     noisy = aux.clone()
     noisy[:, 9:] += 1.0
     emb = embed(block_ids)
@@ -80,11 +96,14 @@ def test_training_slots_equal_the_proposers_block(target4):
         same = d(noisy, torch.arange(20)[None], embed(block_ids), pos, mask)
         moved = d(aux, torch.arange(20)[None], emb, pos, mask)
     assert torch.allclose(same[0, :8], out[0, :8], atol=1e-6)
-    assert not torch.allclose(moved[0, 5], out[0, 5], atol=1e-4)
+    assert torch.allclose(moved[0, 5], out[0, 5], atol=1e-6) == causal
+    assert not torch.allclose(moved[0, 7], out[0, 7], atol=1e-4)
     assert torch.allclose(moved[0, :4], out[0, :4], atol=1e-6) and torch.allclose(moved[0, 8:], out[0, 8:], atol=1e-6)
 
 
-@pytest.mark.parametrize("extra", [{}, {"position_weighting": "dpace"}], ids=["decay", "dpace"])
+@pytest.mark.parametrize(
+    "extra", [{}, {"position_weighting": "dpace"}, {"causal": True}], ids=["decay", "dpace", "causal"]
+)
 def test_training_learns_and_greedy_stays_lossless(target4, extra):
     torch.manual_seed(0)
     cfg = _cfg(num_layers=1, num_anchors=8, **extra)
@@ -97,6 +116,7 @@ def test_training_learns_and_greedy_stays_lossless(target4, extra):
     assert speculative_greedy(target4, proposer, prompt, 3, 30, {2}, stats) == target_greedy(target4, prompt, 30, {2})
     assert stats.passes  # (a random target decodes off the training rows: acceptance is not asserted)
     # Sampled drafts carry their distribution q for the rejection rule; the engine refuses trees.
+    proposer.reset()  # a new sequence: none of the last one's ctx K/V
     draft = proposer.propose(
         torch.tensor([prompt + [7]]), _feats(target4, cfg, torch.tensor([prompt])), 3, Sampler(1.0, seed=0)
     )
@@ -159,6 +179,14 @@ def test_speculators_export_is_what_vllm_reads_and_round_trips(target4, tmp_path
     assert export_family(out) == "dflash"
     _same_decoding(path, out, target4)
     assert "dflash" in dflash.serving_snippet("speculators", "me/x", "tiny", 3)
+    # causal: vLLM's update_dflash reads `dflash_config.causal = not sliding_window_non_causal`.
+    causal_path = _save(tmp_path / "causal", dflash, _cfg(causal=True), target4)
+    causal = export(causal_path, target4, "speculators", tmp_path / "causal-spec")
+    cc = json.loads((causal / "config.json").read_text())
+    assert cc["sliding_window_non_causal"] is False
+    assert dflash.from_init(dflash.DrafterConfig(), cc, target4.config).causal is True
+    assert dflash.from_init(dflash.DrafterConfig(causal=True), c, target4.config).causal is False
+    _same_decoding(causal_path, causal, target4)
     assert dflash.vllm_serving(out, c, 3)[0] == {"method": "dflash", "model": str(out), "num_speculative_tokens": 3}
 
 
@@ -269,6 +297,7 @@ def test_bad_configs_are_one_line_errors(target4):
         ({"aux_layers": [0, 1, 1]}, "repeated layer ids"),
         ({"loss": "kl"}, "unknown loss 'kl'"),
         ({"position_weighting": "x"}, "position_weighting"),
+        ({"causal": "yes"}, "drafter.causal"),
     ]:
         with pytest.raises(DraftsmithError, match=match) as e:
             dflash.DrafterConfig(**kw)

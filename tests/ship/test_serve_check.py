@@ -50,6 +50,13 @@ FAMILIES = {
         "drafter.depths": 4,
     },
     "dflash": {"drafter.type": "dflash", "drafter.aux_layers": [0, 1, 2], "drafter.block_size": 4},
+    # Causal inside the block: vLLM reads it from the export's sliding_window_non_causal: false.
+    "dflash-causal": {
+        "drafter.type": "dflash",
+        "drafter.aux_layers": [0, 1, 2],
+        "drafter.block_size": 4,
+        "drafter.causal": True,
+    },
     # A reduced vocabulary: vLLM loads the drafter's own lm_head and d2t instead of sharing the target's.
     "dflash-vocab": {
         "drafter.type": "dflash",
@@ -278,7 +285,18 @@ def test_a_broken_export_fails_on_acceptance(pattern, trained, target_server, tm
 @pytest.mark.vllm_families
 @pytest.mark.parametrize(
     "family",
-    ["eagle", "medusa", "medusa2", "distill", "eagle3.1", "eagle3.1-fc_norm", "peagle", "dflash", "dflash-vocab"],
+    [
+        "eagle",
+        "medusa",
+        "medusa2",
+        "distill",
+        "eagle3.1",
+        "eagle3.1-fc_norm",
+        "peagle",
+        "dflash",
+        "dflash-causal",
+        "dflash-vocab",
+    ],
 )
 def test_every_family_vllm_serves_passes(pattern, trained, target_server, tmp_path, family):
     # Medusa-2 serves its own trained backbone: the shared target-only server does not apply.
