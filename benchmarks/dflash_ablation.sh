@@ -15,8 +15,8 @@ cd "$(dirname "$0")/.."
 out=${1:-dflash-ablation}
 shift || true
 declare -A rows=(
-  [recipe]=""
-  [causal]="drafter.causal=true"
+  [recipe]="drafter.block_size=8"  # the recipe when this table was measured (it is block 4 now)
+  [causal]="drafter.block_size=8 drafter.causal=true"
   [ref-shape]="drafter.num_layers=5 drafter.block_size=16 drafter.position_weighting=dpace drafter.num_anchors=16"
   [ref-shape-causal]="drafter.num_layers=5 drafter.block_size=16 drafter.position_weighting=dpace drafter.num_anchors=16 drafter.causal=true"
   [ref-shape-mask2]="drafter.num_layers=5 drafter.block_size=16 drafter.position_weighting=dpace drafter.num_anchors=16 drafter.mask_token_id=2"

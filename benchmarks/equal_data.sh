@@ -23,7 +23,7 @@ train() {  # train RUN RECIPE key=value...
 }
 train eagle3-smollm2 eagle3-smollm2
 train peagle-smollm2 peagle-smollm2
-train dflash-smollm2 dflash-smollm2
+train dflash-smollm2 dflash-smollm2 drafter.block_size=8  # the recipe's block when measured (now 4)
 train dspark-smollm2 dspark-smollm2
 train dspark-fillin-smollm2 dspark-smollm2 drafter.sample_from_anchor=false drafter.block_size=8
 train dflash2-smollm2 dflash2-smollm2
