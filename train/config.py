@@ -29,6 +29,13 @@ class OptimConfig:
     """Optimizer steps; 0 = derive from epochs."""
     lr: float = 3e-4
     weight_decay: float = 0.0
+    optimizer: str = "adamw"
+    """`adamw`, or `muon`: Muon over the drafter's hidden 2-D matrices, AdamW over the rest
+    (train/optimizer.py; single process or DDP)."""
+    muon_lr: float = 0.0
+    """Muon's learning rate; 0 = 10 x lr (speculators' default)."""
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 20
     schedule: str = "cosine"
@@ -125,6 +132,7 @@ def drafter_config(cfg: Config) -> Any:
 def _validate(cfg: Config, where: str) -> None:
     checks = [
         (cfg.optim.schedule in ("cosine", "linear", "constant"), "optim.schedule", "cosine, linear or constant"),
+        (cfg.optim.optimizer in ("adamw", "muon"), "optim.optimizer", "adamw or muon"),
         (cfg.tracker in ("none", "wandb", "tensorboard"), "tracker", "none, wandb or tensorboard"),
         (cfg.optim.batch_size >= 1, "optim.batch_size", "an integer >= 1"),
         (cfg.optim.grad_accum >= 1, "optim.grad_accum", "an integer >= 1"),

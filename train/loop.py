@@ -57,6 +57,7 @@ from draftsmith.train.distributed import (
     shard_target,
     whole_weights,
 )
+from draftsmith.train.optimizer import build_optimizer, check_sharding
 from draftsmith.util.parse import save_yaml, to_dict
 from draftsmith.util.precision import describe, hardware
 
@@ -201,6 +202,7 @@ def start(cfg: Config) -> Run:
         f"precision: train {cfg.optim.mixed_precision}, target {cfg.target_dtype}, eval {cfg.eval.dtype} "
         f"on {describe(hardware(accelerator.device))}{deepspeed_line(accelerator, run.zero)}"
     )
+    check_sharding(cfg.optim, sharded=bool(run.zero or run.fsdp))  # before the data phase, not after
     set_seed(cfg.optim.seed + run.rank)  # per-rank noise streams; data order is seeded separately
     if accelerator.is_main_process:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -252,7 +254,7 @@ def load_target_and_data(run: Run) -> None:
 
 
 def build_drafter_and_optimizer(run: Run) -> None:
-    """The family's drafter (from `init_from` when fine-tuning), AdamW over its param groups, and the
+    """The family's drafter (from `init_from` when fine-tuning), the optimizer over its param groups, and the
     schedule over the run's optimizer steps."""
     cfg, accelerator, family = run.cfg, run.accelerator, run.family
     # A family that trains the target (Medusa-2) wraps it here: adapters injected, or a trainable copy.
@@ -267,9 +269,7 @@ def build_drafter_and_optimizer(run: Run) -> None:
             accelerator.print(f"initialised from {cfg.init_from}")
     set_seed(cfg.optim.seed + run.rank)
     groups = family.param_groups(run.drafter, run.dcfg, cfg.optim.lr)  # e.g. heads and backbone at their own lrs
-    run.optimizer = torch.optim.AdamW(
-        groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
-    )
+    run.optimizer = build_optimizer(run.drafter, groups, cfg.optim)
     # Packed, a batch's row count is fixed and its example count is not: count epoch 0's batches.
     per_epoch = len(global_batches(run.ds, cfg, run.world, 0)) // cfg.optim.grad_accum
     if per_epoch == 0 and not cfg.optim.max_steps:

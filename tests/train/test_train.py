@@ -102,7 +102,10 @@ MEDUSA2 = {
 # exactly; a block family's anchors are drawn per document.
 PACKED = {"eagle3-packed": {**TINY_RUNS["eagle3"], "data.packing": "true"}}
 PACKED["dflash-packed"] = {**TINY_RUNS["dflash"], "data.packing": "true"}
-RUNS = {**TINY_RUNS, "medusa2-staged": MEDUSA2, **PACKED}
+# Muon + AdamW (train/optimizer.py): both optimizers' states resume; Medusa-2's staged groups split.
+MUON = {"dflash-muon": {**TINY_RUNS["dflash"], "optim.optimizer": "muon"}}
+MUON["medusa2-staged-muon"] = {**MEDUSA2, "optim.optimizer": "muon"}
+RUNS = {**TINY_RUNS, "medusa2-staged": MEDUSA2, **PACKED, **MUON}
 
 
 @pytest.fixture(scope="module")
