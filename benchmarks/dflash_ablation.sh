@@ -21,8 +21,9 @@ declare -A rows=(
   [ref-shape]="$ref"  # speculators' DFlash defaults
   [ref-shape-causal]="$ref drafter.causal=true"
   [ref-shape-mask2]="$ref drafter.mask_token_id=2"
+  [muon]="drafter.block_size=8 optim.optimizer=muon"  # speculators' optimizer: Muon at 10x lr (train/optimizer.py)
 )
-order=(recipe causal ref-shape ref-shape-causal ref-shape-mask2)
+order=(recipe causal ref-shape ref-shape-causal ref-shape-mask2 muon)
 [ $# -gt 0 ] && order=("$@")
 mkdir -p "$out"
 for row in "${order[@]}"; do
