@@ -59,7 +59,7 @@ def orthogonalize(g: torch.Tensor, coefficients, steps: int, eps: float, dtype: 
     land in ~[0.5, 1.5], which trains as well as exact orthogonalisation): X <- aX + (bA + cA^2)X with
     A = X X^T, on the wide orientation so A is the smaller Gram matrix."""
     a, b, c = coefficients
-    x = g.to(dtype)
+    x = g.to(dtype, copy=True)  # a copy: without Nesterov, g is the momentum buffer itself
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.T
@@ -79,7 +79,7 @@ def rms_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
 
 
 def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
-    """Does Muon update `p`: a trainable 2-D matrix (both sides > 1) that is not an embedding or head."""
+    """Does Muon update `p`: a 2-D matrix (both sides > 1) that is not an embedding or head."""
     return p.ndim == 2 and min(p.shape) > 1 and not any(h in name for h in ADAMW_NAME_HINTS)
 
 
@@ -143,7 +143,7 @@ def build_optimizer(drafter: torch.nn.Module, groups: list[dict], optim) -> torc
     muon_groups, adamw_groups = [], []
     for g in groups:
         hidden = [p for p in g["params"] if is_hidden_matrix(names.get(id(p), ""), p)]
-        rest = [p for p in g["params"] if not any(p is h for h in hidden)]
+        rest = [p for p in g["params"] if not is_hidden_matrix(names.get(id(p), ""), p)]
         if hidden:
             muon_groups.append({**g, "params": hidden, "lr": g.get("lr", optim.lr) * scale})
         if rest:

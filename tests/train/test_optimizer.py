@@ -118,3 +118,11 @@ def test_muon_in_bf16_is_torch_muon_bit_for_bit_and_in_fp32_the_same_iteration_u
     assert 0 < (runs["fp32"] - runs["torch"]).abs().max() < 0.05 * step  # only bf16's rounding apart
     ratio = (12 / 7) ** 0.5 / (0.2 * 12**0.5)  # original sqrt(A/B) over match_rms_adamw 0.2 sqrt(max(A, B))
     assert torch.allclose(runs["original"] - w, (runs["match"] - w) * ratio, atol=1e-6)
+
+
+def test_orthogonalising_leaves_the_momentum_buffer_alone_without_nesterov():
+    p = torch.nn.Parameter(torch.randn(5, 3))
+    p.grad = torch.randn(5, 3)
+    opt = Muon([p], lr=0.01, nesterov=False, ns_dtype=torch.float32)
+    opt.step()  # the update is the buffer itself: orthogonalised in place, it would be lost
+    assert torch.allclose(opt.state[p]["momentum_buffer"], 0.05 * p.grad)
