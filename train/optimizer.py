@@ -121,8 +121,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
 
 def check_sharding(optim, sharded: bool) -> None:
-    """Refuse muon where the weights are sharded (DeepSpeed ZeRO, FSDP): ZeRO hands the optimizer
-    flattened 1-D partitions, on which Muon's matrix orthogonalisation is undefined."""
+    """Refuse muon where the weights are sharded: DeepSpeed ZeRO hands the optimizer flattened 1-D
+    partitions and FSDP row slices, and orthogonalising a slice is not orthogonalising the matrix."""
     if optim.optimizer == "muon" and sharded:
         raise DraftsmithError(
             "optim.optimizer: muon needs each weight matrix whole on one process; DeepSpeed ZeRO and FSDP "
