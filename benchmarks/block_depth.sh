@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DFlash's depth per training minute on the quickstart's data: the CPU recipe
-# (recipes/cpu/dflash-smollm2.yaml at block 8 as measured in docs/benchmarks.md, BLOCK=4 for the recipe's
-# own block; 32 anchors per example, 8,192-token draft vocabulary,
+# (recipes/cpu/dflash-smollm2.yaml at block 8 and with AdamW, as measured in docs/benchmarks.md; BLOCK=4
+# for the recipe's own block; 32 anchors per example, 8,192-token draft vocabulary,
 # 2 epochs over the 640 regenerated code answers, the features EAGLE-3's quickstart cached) trained at
 # 1, 2, 3 and 5 draft layers, each followed by its eval stage (chain K=3, 20 held-out code prompts).
 #   bash benchmarks/block_depth.sh [OUT] [LAYERS...]   (default layers: 1 2 3 5; nothing else running)
@@ -16,7 +16,7 @@ layers=("$@")
 mkdir -p "$out"
 for n in "${layers[@]}"; do
   .venv/bin/draftsmith train recipes/cpu/dflash-smollm2.yaml run="dflash-l$n" output_dir="$out" \
-    drafter.num_layers="$n" drafter.block_size="${BLOCK:-8}" > "$out/dflash-l$n.log" 2>&1 ||
+    drafter.num_layers="$n" drafter.block_size="${BLOCK:-8}" optim.optimizer=adamw > "$out/dflash-l$n.log" 2>&1 ||
     { echo "block_depth.sh: $n layers failed (log: $out/dflash-l$n.log)" >&2; exit 1; }
 done
 .venv/bin/python - "$out" "${layers[@]}" <<'PY'

@@ -84,7 +84,7 @@ def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """torch.optim.Muon over the hidden matrices and torch.optim.AdamW over the rest, as one optimizer:
+    """Muon over the hidden matrices and torch.optim.AdamW over the rest, as one optimizer:
     its `param_groups` are the two optimizers' own group dicts (a learning-rate schedule set on one is
     set on both), `step`/`zero_grad` step both, and its state dict holds both."""
 
@@ -135,15 +135,19 @@ def build_optimizer(drafter: torch.nn.Module, groups: list[dict], optim) -> torc
     their own "lr", possibly more keys such as Medusa-2's "start_step", kept on both sides).
 
     With muon, each group splits into its hidden matrices (at lr x muon_lr / optim.lr, so a family's own
-    lr ratios hold) and the rest (at its lr)."""
-    if optim.optimizer == "adamw":
+    lr ratios hold) and the rest (at its lr): matrices are told by their name in the drafter."""
+
+    def adamw(groups):
         return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
-    names = {id(p): n for n, p in drafter.named_parameters()}
+
+    if optim.optimizer == "adamw":
+        return adamw(groups)
+    matrices = {id(p) for n, p in drafter.named_parameters() if is_hidden_matrix(n, p)}
     scale = (optim.muon_lr or 10 * optim.lr) / optim.lr
     muon_groups, adamw_groups = [], []
     for g in groups:
-        hidden = [p for p in g["params"] if is_hidden_matrix(names.get(id(p), ""), p)]
-        rest = [p for p in g["params"] if not is_hidden_matrix(names.get(id(p), ""), p)]
+        hidden = [p for p in g["params"] if id(p) in matrices]
+        rest = [p for p in g["params"] if id(p) not in matrices]
         if hidden:
             muon_groups.append({**g, "params": hidden, "lr": g.get("lr", optim.lr) * scale})
         if rest:
@@ -162,9 +166,4 @@ def build_optimizer(drafter: torch.nn.Module, groups: list[dict], optim) -> torc
         if muon_groups
         else None
     )
-    adamw = (
-        torch.optim.AdamW(adamw_groups, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
-        if adamw_groups
-        else None
-    )
-    return MuonAdamW(muon, adamw)
+    return MuonAdamW(muon, adamw(adamw_groups) if adamw_groups else None)

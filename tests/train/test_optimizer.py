@@ -47,7 +47,7 @@ def test_muon_takes_the_hidden_matrices_at_ten_times_lr_and_adamw_the_rest():
     assert rest == {"embed_tokens.weight", "fc.bias", "norm.weight", "norm.bias", "gate.weight", "lm_head.weight"}
     assert muon.param_groups[0]["lr"] == pytest.approx(1e-2) and adamw.param_groups[0]["lr"] == 1e-3
     assert muon.param_groups[0]["start_step"] == adamw.param_groups[0]["start_step"] == 2  # family keys kept
-    assert build_optimizer(Toy(), groups, _optim(optimizer="muon", muon_lr=5e-3)).param_groups[0]["lr"] == 5e-3
+    assert build_optimizer(model, groups, _optim(optimizer="muon", muon_lr=5e-3)).param_groups[0]["lr"] == 5e-3
 
 
 def test_a_schedule_on_the_pair_sets_both_optimizers_and_both_update():
