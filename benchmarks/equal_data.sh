@@ -22,7 +22,7 @@ train() {  # train RUN RECIPE key=value...
     eval.enabled=false optim.optimizer=adamw "$@" > "$out/$run.log" 2>&1 ||
     { echo "equal_data.sh: $run failed (log: $out/$run.log)" >&2; exit 1; }
 }
-train eagle3-smollm2 eagle3-smollm2
+train eagle3-smollm2 eagle3-smollm2 drafter.draft_vocab_size=8192  # the recipe's vocabulary when measured (now 4096)
 train peagle-smollm2 peagle-smollm2
 train dflash-smollm2 dflash-smollm2 drafter.block_size=8  # the recipe's block when measured (now 4)
 train dspark-smollm2 dspark-smollm2

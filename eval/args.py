@@ -45,6 +45,9 @@ class EvalArgs:
     allow_stale: bool = False
     """evaluate against a target the drafter was not trained for (e.g. after a target update); the report
     marks it stale"""
+    lookup: bool = False
+    """a trained drafter: also decode it with prompt lookup grafted onto its drafts, on each prompt right
+    after it and divided by the same target-only run (the eval stage's `eval.lookup` row)"""
 
 
 @dataclass(kw_only=True)

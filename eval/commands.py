@@ -28,8 +28,8 @@ from draftsmith.target import load as target_load
 
 def eval_config(args: EvalArgs | CompareArgs) -> EvalConfig:
     """The eval stage's settings the flags give (the flags mirror EvalConfig's fields)."""
-    names = ("k", "num_prompts", "max_new_tokens", "temperature", "top_p", "tree", "dtype", "thinking")
-    return EvalConfig(**{name: getattr(args, name) for name in names})
+    names = ("k", "num_prompts", "max_new_tokens", "temperature", "top_p", "tree", "dtype", "thinking", "lookup")
+    return EvalConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
 def _eval_inputs(args: EvalArgs) -> tuple[list[int] | None, str, list[dict], bool, Path]:
@@ -49,10 +49,14 @@ def _eval_inputs(args: EvalArgs) -> tuple[list[int] | None, str, list[dict], boo
     path = parse_drafter(args.drafter)[0]
     metas = [read_drafter_meta(Path(d)) for d in trained_folders(args.drafter)]
     trained = bool(metas) and trained_folders(args.drafter) == [path]  # a trained drafter on its own
+    if args.lookup and not trained:
+        raise DraftsmithError(
+            f"eval: --lookup grafts prompt lookup onto a trained drafter; '{args.drafter}' is not one"
+        )
     if args.out:
         out = checked_out(Path(args.out), args.force)
     elif trained:  # beside the run's own report
-        out = standalone_folder(path, args.data, args.k, args.tree, args.num_prompts, args.temperature)
+        out = standalone_folder(path, args.data, args.k, args.tree, args.num_prompts, args.temperature, args.lookup)
     else:  # a new folder here
         out = unused_folder(Path(f"eval-{path.split(':')[0]}"))
     load_prompts(args.data, args.num_prompts)

@@ -26,8 +26,9 @@ class EvalConfig:
     data.thinking, else the template's default). The report says which was used."""
     lookup: bool = False
     """A training run's eval stage also decodes with prompt lookup grafted onto the drafter's drafts
-    (the `hybrid:` drafter of `draftsmith eval`, draftsmith/engine/lookahead.py): a second row, against
-    its own target-only baseline. vLLM serves the drafter alone; this row is draftsmith's engine."""
+    (the `hybrid:` drafter of `draftsmith eval`, draftsmith/engine/lookahead.py): a second row, decoded
+    on each prompt right after the drafter's and divided by the same target-only run. vLLM serves the
+    drafter alone; this row is draftsmith's engine."""
     general_holdout: str = ""
     """With `init_from` (domain fine-tuning): a second holdout, e.g. the init's own domain. The eval then
     reports τ on both holdouts before (the init) and after fine-tuning, side by side."""

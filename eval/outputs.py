@@ -21,12 +21,16 @@ def unused_folder(folder: Path) -> Path:
     return out
 
 
-def standalone_folder(drafter: str, data: str, k: int, tree: str | None, num_prompts: int, temperature: float) -> Path:
-    """Where an eval of a trained drafter goes without --out: RUN/evals/<holdout>-k<K>[-<kind>-tree]-<N>p[-t<T>].
+def standalone_folder(
+    drafter: str, data: str, k: int, tree: str | None, num_prompts: int, temperature: float, lookup: bool = False
+) -> Path:
+    """Where an eval of a trained drafter goes without --out:
+    RUN/evals/<holdout>-k<K>[-<kind>-tree]-<N>p[-t<T>][-lookup].
     Not RUN/eval/: that holds the training run's own report, which publish puts in the model card."""
     holdout = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(data.split(":", 1)[-1]).stem).strip("-") or "holdout"
     name = f"{holdout}-k{k}" + (f"-{tree.split(':')[0]}-tree" if tree else "") + f"-{num_prompts}p"
-    return unused_folder(Path(drafter).parent / "evals" / (name + (f"-t{temperature:g}" if temperature else "")))
+    name += (f"-t{temperature:g}" if temperature else "") + ("-lookup" if lookup else "")
+    return unused_folder(Path(drafter).parent / "evals" / name)
 
 
 def checked_out(out: Path, force: bool) -> Path:

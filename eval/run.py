@@ -67,6 +67,7 @@ class Decoded:
     batch_curve: list[dict] | None  # `batch_curve`; None: not asked for
     dtype: str  # the verifier's
     device: torch.device
+    beside: "Decoded | None" = None  # `decode_holdout(beside=...)`: the second drafter, same baseline
 
     @property
     def target_tps(self) -> float:
@@ -88,6 +89,7 @@ def evaluate(
     batch_sizes: list[int] | None = None,
     split: str = "train",
     adaptive_costs: AdaptiveCosts | None = None,
+    beside: Resolved | None = None,
 ) -> dict:
     """Decode each holdout prompt target-only and speculatively; measure τ, acceptance, speed.
     drafter: what decodes, as eval/drafters.py resolves a spec: its label, its proposer (None:
@@ -102,7 +104,9 @@ def evaluate(
     A proposer that `drafts_confidence` (chains) also gets, under the report keys "calibration" and
     "adaptive": the calibration of its confidences on the verified drafts of this run, and the same
     prompts decoded again with adaptive verification beside this full-block run (`adaptive_section`).
-    adaptive_costs: that run's cost model; None = measured here (`measure_costs`)."""
+    adaptive_costs: that run's cost model; None = measured here (`measure_costs`).
+    beside: a second drafter with the same verifier, decoded on each prompt right after `drafter` and
+    against the same target-only run (`decode_holdout`); its report is returned under "beside"."""
     decoded = decode_holdout(
         drafter,
         tok,
@@ -113,8 +117,11 @@ def evaluate(
         batch_sizes=batch_sizes,
         split=split,
         adaptive_costs=adaptive_costs,
+        beside=beside,
     )
     report = eval_report(decoded, holdout, cfg, target_name=target_name, stale=stale)
+    if decoded.beside is not None:
+        report["beside"] = eval_report(decoded.beside, holdout, cfg, target_name=target_name, stale=stale)
     if out is not None:
         write_report(report, out)
     return report
@@ -160,12 +167,20 @@ def decode_holdout(
     batch_sizes: list[int] | None = None,
     split: str = "train",
     adaptive_costs: AdaptiveCosts | None = None,
+    beside: Resolved | None = None,
 ) -> Decoded:
     """The decode part of `evaluate` (its docstring has the arguments): every holdout prompt decoded
     target-only (unless `baseline` has it) and speculatively on the same seed, then the adaptive run
-    and the batch-size curve where they apply -> the raw measurements."""
-    name, proposer, target = drafter.label, drafter.proposer, drafter.verifier
-    k, tree, spec = draft_shape(drafter, cfg, batch_sizes)
+    and the batch-size curve where they apply -> the raw measurements.
+
+    beside: a second drafter verified by the same model, decoded on each prompt right after the first
+    (target-only, drafter, beside), so both speedups divide by one target-only run timed beside them
+    both (the eval stage's `eval.lookup` row) -> `Decoded.beside`; it gets no adaptive run or curve."""
+    if beside is not None and beside.verifier is not drafter.verifier:
+        raise DraftsmithError(f"eval: '{beside.label}' is verified by another model than '{drafter.label}'")
+    runs = [drafter] + ([beside] if beside is not None else [])
+    target = drafter.verifier
+    shapes = [draft_shape(d, cfg, batch_sizes if i == 0 else None) for i, d in enumerate(runs)]
     temperature, top_p, max_new_tokens = cfg.temperature, cfg.top_p, cfg.max_new_tokens
     prompts = [
         encode_prompt(tok, p, thinking_kwargs(cfg.thinking)) for p in load_prompts(holdout, cfg.num_prompts, split)
@@ -177,58 +192,89 @@ def decode_holdout(
         """None = greedy; otherwise one warping shared by target and drafter (lossless sampling)."""
         return Sampler(temperature, top_p, seed, device) if temperature > 0 else None
 
-    stats, ref_s, mismatches, ref_tokens, gaps, refs = Stats(k=max(k, 1)), 0.0, 0, 0, [], []
+    stats = [Stats(k=max(k, 1)) for k, _, _ in shapes]
+    mismatches, gaps = [0] * len(runs), [list[float]() for _ in runs]
+    ref_s, ref_tokens, refs = 0.0, 0, []
+    proposer, (k, _, spec) = drafter.proposer, shapes[0]
     # Only a chain drafter that says how sure it is gets the calibration and adaptive sections.
     confident = proposer is not None and proposer.drafts_confidence and spec is None and k > 0
     adaptive = None
+    modules = [m for d in runs for m in proposer_modules(d.proposer)]
     # Target and drafter decode on the fastest kernels of the machine (draftsmith/util/kernels.py), the
     # target-only baseline included, so the speedup compares like with like.
-    with packed_linears(target, *proposer_modules(proposer), enabled=kernels):
-        # Warm up both paths once so one-time allocation costs do not bias the first timing.
+    with packed_linears(target, *modules, enabled=kernels):
+        # Warm up every path once so one-time allocation costs do not bias the first timing.
         target_decode(target, prompts[0][:8], max_new_tokens, eos, sampler(0))
-        speculative_decode(target, proposer, prompts[0][:8], k, max_new_tokens, eos, sampler(0), tree=spec)
-        if proposer is not None:  # a proposer's own counters (a cascade's levels) skip the warm-up
-            proposer.reset_stats()
-        for n, prompt in enumerate(tqdm(prompts, desc=f"eval {name}")):
+        for d, (k_d, _, spec_d) in zip(runs, shapes):
+            speculative_decode(target, d.proposer, prompts[0][:8], k_d, max_new_tokens, eos, sampler(0), tree=spec_d)
+        for d in runs:
+            if d.proposer is not None:  # a proposer's own counters (a cascade's levels) skip the warm-up
+                d.proposer.reset_stats()
+        for n, prompt in enumerate(tqdm(prompts, desc=f"eval {drafter.label}")):
             ref, s_ref = (
                 baseline[n] if baseline else timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
             )
-            generated, s_spec = timed(
-                speculative_decode, target, proposer, prompt, k, max_new_tokens, eos, sampler(n), stats, spec
-            )
             ref_s += s_ref
             refs.append(ref)
-            stats.seconds += s_spec
             ref_tokens += len(ref)
-            stats.new_tokens += len(generated)
-            mismatches += int(generated != ref)
-            if temperature == 0 and generated != ref:
-                gaps.append(round(divergence_gap(target, prompt, ref, generated), 4))
-        own = proposer.stats() if proposer is not None else {}  # before the adaptive run adds to them
-        target_tps = ref_tokens / ref_s
+            for i, (d, (k_d, _, spec_d)) in enumerate(zip(runs, shapes)):
+                generated, s_spec = timed(
+                    speculative_decode,
+                    target,
+                    d.proposer,
+                    prompt,
+                    k_d,
+                    max_new_tokens,
+                    eos,
+                    sampler(n),
+                    stats[i],
+                    spec_d,
+                )
+                stats[i].seconds += s_spec
+                stats[i].new_tokens += len(generated)
+                mismatches[i] += int(generated != ref)
+                if temperature == 0 and generated != ref:
+                    gaps[i].append(round(divergence_gap(target, prompt, ref, generated), 4))
+        # Before the adaptive run adds to them.
+        own = [d.proposer.stats() if d.proposer is not None else {} for d in runs]
         if confident:
             adaptive = adaptive_section(
-                target, proposer, prompts, refs, stats, target_tps, k, max_new_tokens, eos, sampler, adaptive_costs
+                target,
+                proposer,
+                prompts,
+                refs,
+                stats[0],
+                ref_tokens / ref_s,
+                k,
+                max_new_tokens,
+                eos,
+                sampler,
+                adaptive_costs,
             )
     curve = None
     if batch_sizes:
         curve = batch_curve(target, tok, fresh_copies(proposer), prompts, batch_sizes, k, max_new_tokens, eos, kernels)
-    return Decoded(
-        name=name,
-        k=k,
-        tree=tree,
-        num_prompts=len(prompts),
-        stats=stats,
-        target_seconds=ref_s,
-        target_tokens=ref_tokens,
-        mismatches=mismatches,
-        gaps=gaps,
-        own=own,
-        adaptive=adaptive,
-        batch_curve=curve,
-        dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
-        device=device,
-    )
+    decoded = [
+        Decoded(
+            name=d.label,
+            k=k_d,
+            tree=tree_d,
+            num_prompts=len(prompts),
+            stats=stats[i],
+            target_seconds=ref_s,
+            target_tokens=ref_tokens,
+            mismatches=mismatches[i],
+            gaps=gaps[i],
+            own=own[i],
+            adaptive=adaptive if i == 0 else None,
+            batch_curve=curve if i == 0 else None,
+            dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
+            device=device,
+        )
+        for i, (d, (k_d, tree_d, _)) in enumerate(zip(runs, shapes))
+    ]
+    decoded[0].beside = decoded[1] if beside is not None else None
+    return decoded[0]
 
 
 def eval_report(
@@ -423,15 +469,15 @@ def evaluate_drafter(
     options: evaluate's keyword options (target_name, stale, batch_sizes, split, ...)."""
     verifier = family.verifier(drafter, target)
     proposer = family.make_proposer(drafter, verifier, dcfg)
-    report = evaluate(Resolved(family.NAME, proposer, verifier, None), tok, holdout, None, cfg, **options)
-    if cfg.lookup:  # the same drafter with prompt lookup grafted on (eval.lookup), one more row.
-        # Its own baseline, timed prompt by prompt beside it as the drafter's row is: a baseline timed
-        # once before several drafters drifts with the host (docs/benchmarks.md). The proposer is
-        # reused: decoding resets it for every prompt.
-        resolved = Resolved(
-            f"hybrid ({family.NAME} + lookup)", HybridProposer(NgramProposer(), proposer), verifier, None
-        )
-        report["with_lookup"] = evaluate(resolved, tok, holdout, None, cfg, **options)
+    # eval.lookup: the same drafter with prompt lookup grafted on, one more row, decoded on each prompt
+    # right after the drafter and against the same target-only run, timed beside both (a baseline
+    # timed once before several drafters drifts with the host, docs/benchmarks.md). The proposer is
+    # shared: decoding resets it for every prompt.
+    hybrid = Resolved(f"hybrid ({family.NAME} + lookup)", HybridProposer(NgramProposer(), proposer), verifier, None)
+    resolved = Resolved(family.NAME, proposer, verifier, None)
+    report = evaluate(resolved, tok, holdout, None, cfg, beside=hybrid if cfg.lookup else None, **options)
+    if cfg.lookup:
+        report["with_lookup"] = report.pop("beside")
     if verifier is not target:
         with family.original(drafter, target) as original:
             split = options.get("split", "train")

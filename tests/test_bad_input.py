@@ -99,6 +99,7 @@ def test_launch_refuses_impossible_counts(flags, message):
             "a eagle drafter exports to vllm, sglang",
         ),
         (["eval", "--drafter", "{run}", "--data", "{missing}"], "data file not found"),
+        (["eval", "--drafter", "ngram", "--lookup", "--data", "builtin:code-holdout"], "'ngram' is not one"),
         (["compare", "--drafter", "{run}", "--data", "{missing}", "--out", "{out}"], "data file not found"),
         (
             ["export", "{run}", "--format", "vllm", "--out", "{out}", "--verify", "--data", "{missing}"],

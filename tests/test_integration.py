@@ -61,6 +61,9 @@ def test_shortened_quickstart(smollm, tmp_path):
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["target"] == "smollm2-135m" and report["tree"]
     assert report["rule_exact"] is True  # the guarantee, in every precision (train also fails without it)
+    # eval.lookup: the second row, the drafter with prompt lookup grafted on, divided by the same baseline.
+    lookup = report["with_lookup"]
+    assert lookup["rule_exact"] is True and lookup["target_tokens_per_s"] == report["target_tokens_per_s"]
     if report["dtype"] == "float32":
         assert report["lossless"]
     else:  # bf16 (a CPU with native bf16): a mismatch may only be a numerical near-tie of the target's
