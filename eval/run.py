@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import copy
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -156,6 +157,56 @@ def draft_shape(
     return k, tree, spec
 
 
+@dataclass
+class _Run:
+    """One drafter's counters over the holdout prompts, as `decode_holdout` decodes them."""
+
+    drafter: Resolved
+    k: int  # as `draft_shape` gives them
+    tree: str | None
+    spec: TreeSpec | None
+    stats: Stats = field(init=False)
+    mismatches: int = 0
+    gaps: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.stats = Stats(k=max(self.k, 1))
+
+    def decode(self, target, prompt: list[int], ref: list[int], max_new_tokens: int, eos: set[int], sampler) -> None:
+        """Decode one prompt speculatively, timed; compare it with the target-only output `ref`."""
+        generated, seconds = timed(
+            speculative_decode,
+            target,
+            self.drafter.proposer,
+            prompt,
+            self.k,
+            max_new_tokens,
+            eos,
+            sampler,
+            self.stats,
+            self.spec,
+        )
+        self.stats.seconds += seconds
+        self.stats.new_tokens += len(generated)
+        if generated != ref:
+            self.mismatches += 1
+            if sampler is None:  # greedy: where and by how much the two outputs part
+                self.gaps.append(round(divergence_gap(target, prompt, ref, generated), 4))
+
+    def decoded(self, own: dict, **common: Any) -> Decoded:
+        """This drafter's measurements; `common`: the fields every drafter of the run shares."""
+        return Decoded(
+            name=self.drafter.label,
+            k=self.k,
+            tree=self.tree,
+            stats=self.stats,
+            mismatches=self.mismatches,
+            gaps=self.gaps,
+            own=own,
+            **common,
+        )
+
+
 def decode_holdout(
     drafter: Resolved,
     tok,
@@ -178,72 +229,56 @@ def decode_holdout(
     both (the eval stage's `eval.lookup` row) -> `Decoded.beside`; it gets no adaptive run or curve."""
     if beside is not None and beside.verifier is not drafter.verifier:
         raise DraftsmithError(f"eval: '{beside.label}' is verified by another model than '{drafter.label}'")
-    runs = [drafter] + ([beside] if beside is not None else [])
-    target = drafter.verifier
-    shapes = [draft_shape(d, cfg, batch_sizes if i == 0 else None) for i, d in enumerate(runs)]
-    temperature, top_p, max_new_tokens = cfg.temperature, cfg.top_p, cfg.max_new_tokens
+    # The batch-size curve is the first drafter's only.
+    shapes = [
+        (d, draft_shape(d, cfg, batch_sizes if d is drafter else None)) for d in (drafter, beside) if d is not None
+    ]
+    runs = [_Run(d, *shape) for d, shape in shapes]
+    target, proposer, (k, spec) = drafter.verifier, drafter.proposer, (runs[0].k, runs[0].spec)
     prompts = [
         encode_prompt(tok, p, thinking_kwargs(cfg.thinking)) for p in load_prompts(holdout, cfg.num_prompts, split)
     ]
-    eos = eos_ids(target, tok)
+    eos, max_new_tokens = eos_ids(target, tok), cfg.max_new_tokens
     device = next(target.parameters()).device
 
     def sampler(seed):
         """None = greedy; otherwise one warping shared by target and drafter (lossless sampling)."""
-        return Sampler(temperature, top_p, seed, device) if temperature > 0 else None
+        return Sampler(cfg.temperature, cfg.top_p, seed, device) if cfg.temperature > 0 else None
 
-    stats = [Stats(k=max(k, 1)) for k, _, _ in shapes]
-    mismatches, gaps = [0] * len(runs), [list[float]() for _ in runs]
     ref_s, ref_tokens, refs = 0.0, 0, []
-    proposer, (k, _, spec) = drafter.proposer, shapes[0]
     # Only a chain drafter that says how sure it is gets the calibration and adaptive sections.
     confident = proposer is not None and proposer.drafts_confidence and spec is None and k > 0
     adaptive = None
-    modules = [m for d in runs for m in proposer_modules(d.proposer)]
+    modules = [m for r in runs for m in proposer_modules(r.drafter.proposer)]
     # Target and drafter decode on the fastest kernels of the machine (draftsmith/util/kernels.py), the
     # target-only baseline included, so the speedup compares like with like.
     with packed_linears(target, *modules, enabled=kernels):
         # Warm up every path once so one-time allocation costs do not bias the first timing.
         target_decode(target, prompts[0][:8], max_new_tokens, eos, sampler(0))
-        for d, (k_d, _, spec_d) in zip(runs, shapes):
-            speculative_decode(target, d.proposer, prompts[0][:8], k_d, max_new_tokens, eos, sampler(0), tree=spec_d)
-        for d in runs:
-            if d.proposer is not None:  # a proposer's own counters (a cascade's levels) skip the warm-up
-                d.proposer.reset_stats()
+        for r in runs:
+            speculative_decode(
+                target, r.drafter.proposer, prompts[0][:8], r.k, max_new_tokens, eos, sampler(0), tree=r.spec
+            )
+        for r in runs:
+            if r.drafter.proposer is not None:  # a proposer's own counters (a cascade's levels) skip the warm-up
+                r.drafter.proposer.reset_stats()
         for n, prompt in enumerate(tqdm(prompts, desc=f"eval {drafter.label}")):
             ref, s_ref = (
                 baseline[n] if baseline else timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
             )
-            ref_s += s_ref
+            ref_s, ref_tokens = ref_s + s_ref, ref_tokens + len(ref)
             refs.append(ref)
-            ref_tokens += len(ref)
-            for i, (d, (k_d, _, spec_d)) in enumerate(zip(runs, shapes)):
-                generated, s_spec = timed(
-                    speculative_decode,
-                    target,
-                    d.proposer,
-                    prompt,
-                    k_d,
-                    max_new_tokens,
-                    eos,
-                    sampler(n),
-                    stats[i],
-                    spec_d,
-                )
-                stats[i].seconds += s_spec
-                stats[i].new_tokens += len(generated)
-                mismatches[i] += int(generated != ref)
-                if temperature == 0 and generated != ref:
-                    gaps[i].append(round(divergence_gap(target, prompt, ref, generated), 4))
+            for r in runs:
+                r.decode(target, prompt, ref, max_new_tokens, eos, sampler(n))
         # Before the adaptive run adds to them.
-        own = [d.proposer.stats() if d.proposer is not None else {} for d in runs]
+        own = [r.drafter.proposer.stats() if r.drafter.proposer is not None else {} for r in runs]
         if confident:
             adaptive = adaptive_section(
                 target,
                 proposer,
                 prompts,
                 refs,
-                stats[0],
+                runs[0].stats,
                 ref_tokens / ref_s,
                 k,
                 max_new_tokens,
@@ -254,27 +289,17 @@ def decode_holdout(
     curve = None
     if batch_sizes:
         curve = batch_curve(target, tok, fresh_copies(proposer), prompts, batch_sizes, k, max_new_tokens, eos, kernels)
-    decoded = [
-        Decoded(
-            name=d.label,
-            k=k_d,
-            tree=tree_d,
-            num_prompts=len(prompts),
-            stats=stats[i],
-            target_seconds=ref_s,
-            target_tokens=ref_tokens,
-            mismatches=mismatches[i],
-            gaps=gaps[i],
-            own=own[i],
-            adaptive=adaptive if i == 0 else None,
-            batch_curve=curve if i == 0 else None,
-            dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
-            device=device,
-        )
-        for i, (d, (k_d, tree_d, _)) in enumerate(zip(runs, shapes))
-    ]
-    decoded[0].beside = decoded[1] if beside is not None else None
-    return decoded[0]
+    common = dict(
+        num_prompts=len(prompts),
+        target_seconds=ref_s,
+        target_tokens=ref_tokens,
+        dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
+        device=device,
+    )
+    decoded = runs[0].decoded(own[0], adaptive=adaptive, batch_curve=curve, **common)
+    if beside is not None:
+        decoded.beside = runs[1].decoded(own[1], adaptive=None, batch_curve=None, **common)
+    return decoded
 
 
 def eval_report(
