@@ -34,6 +34,7 @@ class EvalArgs:
     num_prompts: int = field(metadata=EVAL)
     dtype: str = field(metadata={**EVAL, "type": dtype_arg})
     thinking: str = field(metadata={**EVAL, "choices": ["", "on", "off"]})
+    timing_runs: int = field(metadata=EVAL)
     out: str | None = None
     """report folder (default for a trained drafter: RUN/evals/<holdout>-k<K>-<N>p, beside the training
     run's own RUN/eval/, which stays as training wrote it; for others: eval-<drafter>)"""
@@ -68,6 +69,7 @@ class CompareArgs:
     num_prompts: int = field(metadata=EVAL)
     dtype: str = field(metadata={**EVAL, "type": dtype_arg})
     thinking: str = field(metadata={**EVAL, "choices": ["", "on", "off"]})
+    timing_runs: int = field(metadata=EVAL)
     batch_sizes: str | None = None
     """also measure each drafter's batch-size curve, e.g. 1,2,4,8,16"""
     out: str

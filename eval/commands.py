@@ -28,7 +28,18 @@ from draftsmith.target import load as target_load
 
 def eval_config(args: EvalArgs | CompareArgs) -> EvalConfig:
     """The eval stage's settings the flags give (the flags mirror EvalConfig's fields)."""
-    names = ("k", "num_prompts", "max_new_tokens", "temperature", "top_p", "tree", "dtype", "thinking", "lookup")
+    names = (
+        "k",
+        "num_prompts",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "tree",
+        "dtype",
+        "thinking",
+        "lookup",
+        "timing_runs",
+    )
     return EvalConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
@@ -37,8 +48,8 @@ def _eval_inputs(args: EvalArgs) -> tuple[list[int] | None, str, list[dict], boo
     drafter on its own, the report folder), every input checked before any model loads."""
     if args.tree:
         parse_tree(args.tree)
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.k < 1:
-        raise DraftsmithError("eval: expected --temperature >= 0, 0 < --top-p <= 1 and --k >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.k < 1 or args.timing_runs < 1:
+        raise DraftsmithError("eval: expected --temperature >= 0, 0 < --top-p <= 1, --k >= 1 and --timing-runs >= 1")
     batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None
     if args.cascade:
         args.drafter = f"cascade:{args.cascade}"
@@ -84,6 +95,8 @@ def run_eval(args: EvalArgs) -> None:
 
 
 def run_compare(args: CompareArgs) -> None:
+    if args.timing_runs < 1:
+        raise DraftsmithError(f"compare: expected --timing-runs >= 1, got {args.timing_runs}")
     batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None
     metas = [read_drafter_meta(Path(p)) for d in args.drafter for p in trained_folders(d)]
     for data in args.data:

@@ -18,7 +18,7 @@ from pathlib import Path
 from draftsmith import DraftsmithError
 from draftsmith.eval.config import EvalConfig
 from draftsmith.eval.drafters import parse_drafter, resolve
-from draftsmith.eval.report import LOSSLESS_NOTE, lossless_cell
+from draftsmith.eval.report import LOSSLESS_NOTE, lossless_cell, speedup_cell
 from draftsmith.eval.run import evaluate, target_baseline
 
 
@@ -55,7 +55,7 @@ def compare_table(reports: list[dict]) -> str:
         pp = " ".join(f"{p:.2f}" for p in r["per_position"]) or "-"
         lines.append(
             f"| {r['drafter']} | {r['holdout']} | {shape} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | "
-            f"{r['speedup']:.2f}x | {lossless_cell(r)} |"
+            f"{speedup_cell(r)} | {lossless_cell(r)} |"
         )
     return "\n".join(lines)
 

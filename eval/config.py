@@ -29,6 +29,12 @@ class EvalConfig:
     (the `hybrid:` drafter of `draftsmith eval`, draftsmith/engine/lookahead.py): a second row, decoded
     on each prompt right after the drafter's and divided by the same target-only run. vLLM serves the
     drafter alone; this row is draftsmith's engine."""
+    timing_runs: int = 1
+    """How many times each drafter's speed is measured: after the first run (which also counts
+    acceptance) each prompt is decoded again target-only, then by each drafter, prompt by prompt, timed
+    only (greedy and seeded sampling give the same tokens). The speedup is the median run's, its min-max
+    beside it in the table (`speedup_runs` in report.json). 3 or more for a figure to publish: on a
+    2-core CPU one run moves by several percent; each run costs one more decode of every row."""
     general_holdout: str = ""
     """With `init_from` (domain fine-tuning): a second holdout, e.g. the init's own domain. The eval then
     reports τ on both holdouts before (the init) and after fine-tuning, side by side."""

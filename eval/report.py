@@ -79,9 +79,17 @@ def format_table(reports: list[dict]) -> str:
         rows.append(
             f"| {r['drafter']} | {_shape(r)} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | "
             f"{lossless_cell(r)} | {r['target_tokens_per_s']:.1f} | "
-            f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x |"
+            f"{r['spec_tokens_per_s']:.1f} | {speedup_cell(r)} |"
         )
     return "\n".join(rows)
+
+
+def speedup_cell(r: dict) -> str:
+    """`1.62x`, or with several timing runs (eval.timing_runs) the median's `1.62x (1.57-1.64x, 5 runs)`."""
+    runs = r.get("speedup_runs") or []
+    if len(runs) < 2:
+        return f"{r['speedup']:.2f}x"
+    return f"{r['speedup']:.2f}x ({min(runs):.2f}-{max(runs):.2f}x, {len(runs)} runs)"
 
 
 def _shape(r: dict) -> str:

@@ -69,6 +69,8 @@ class Decoded:
     dtype: str  # the verifier's
     device: torch.device
     beside: "Decoded | None" = None  # `decode_holdout(beside=...)`: the second drafter, same baseline
+    # eval.timing_runs beyond the first: (target tokens, target seconds, tokens, seconds) of each
+    more_runs: list[tuple[int, float, int, float]] = field(default_factory=list)
 
     @property
     def target_tps(self) -> float:
@@ -193,6 +195,22 @@ class _Run:
             if sampler is None:  # greedy: where and by how much the two outputs part
                 self.gaps.append(round(divergence_gap(target, prompt, ref, generated), 4))
 
+    def retime(self, target, prompt: list[int], max_new_tokens: int, eos: set[int], sampler) -> tuple[int, float]:
+        """Decode one prompt again, timed only (no counters): (tokens, seconds) for eval.timing_runs."""
+        generated, seconds = timed(
+            speculative_decode,
+            target,
+            self.drafter.proposer,
+            prompt,
+            self.k,
+            max_new_tokens,
+            eos,
+            sampler,
+            None,
+            self.spec,
+        )
+        return len(generated), seconds
+
     def decoded(self, own: dict, **common: Any) -> Decoded:
         """This drafter's measurements; `common`: the fields every drafter of the run shares."""
         return Decoded(
@@ -270,8 +288,9 @@ def decode_holdout(
             refs.append(ref)
             for r in runs:
                 r.decode(target, prompt, ref, max_new_tokens, eos, sampler(n))
-        # Before the adaptive run adds to them.
+        # Before the adaptive run and the timing runs add to them.
         own = [r.drafter.proposer.stats() if r.drafter.proposer is not None else {} for r in runs]
+        more = [timing_run(target, runs, prompts, max_new_tokens, eos, sampler) for _ in range(cfg.timing_runs - 1)]
         if confident:
             adaptive = adaptive_section(
                 target,
@@ -297,9 +316,27 @@ def decode_holdout(
         device=device,
     )
     decoded = runs[0].decoded(own[0], adaptive=adaptive, batch_curve=curve, **common)
+    decoded.more_runs = [(t_tokens, t_s, *rows[0]) for t_tokens, t_s, rows in more]
     if beside is not None:
         decoded.beside = runs[1].decoded(own[1], adaptive=None, batch_curve=None, **common)
+        decoded.beside.more_runs = [(t_tokens, t_s, *rows[1]) for t_tokens, t_s, rows in more]
     return decoded
+
+
+def timing_run(
+    target, runs: list[_Run], prompts, max_new_tokens: int, eos: set[int], sampler
+) -> tuple[int, float, list[tuple[int, float]]]:
+    """One more timing of every row (eval.timing_runs): each prompt decoded target-only, then by each
+    drafter in turn, as the first run did, so a slow minute of the host falls on every row alike ->
+    (target tokens, target seconds, [(tokens, seconds) per drafter])."""
+    t_tokens, t_s, rows = 0, 0.0, [[0.0, 0.0] for _ in runs]  # per drafter: tokens, seconds
+    for n, prompt in enumerate(prompts):
+        ref, seconds = timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
+        t_tokens, t_s = t_tokens + len(ref), t_s + seconds
+        for row, r in zip(rows, runs):
+            tokens, seconds = r.retime(target, prompt, max_new_tokens, eos, sampler(n))
+            row[0], row[1] = row[0] + tokens, row[1] + seconds
+    return t_tokens, t_s, [(int(tokens), seconds) for tokens, seconds in rows]
 
 
 def eval_report(
@@ -309,7 +346,14 @@ def eval_report(
     `draftsmith compare` read them, with the conditions they were measured under, the proposer's own
     counters, and the calibration, adaptive and batch-curve sections where they were measured."""
     stats, k, temperature, greedy = run.stats, run.k, cfg.temperature, cfg.temperature == 0
-    target_tps, spec_tps = run.target_tps, stats.new_tokens / stats.seconds
+    # Every timing run's (target tok/s, tok/s); the report's are the median run's (the lower of the middle
+    # two for an even count), so its three speed columns come from one run.
+    speeds = [
+        (a / b, c / d)
+        for a, b, c, d in [(run.target_tokens, run.target_seconds, stats.new_tokens, stats.seconds), *run.more_runs]
+    ]
+    speedups = [spec / ref for ref, spec in speeds]
+    target_tps, spec_tps = speeds[speedups.index(statistics.median_low(speedups))]
     report = {
         "drafter": run.name,
         "target": target_name,
@@ -333,6 +377,7 @@ def eval_report(
         "target_tokens_per_s": round(target_tps, 2),
         "spec_tokens_per_s": round(spec_tps, 2),
         "speedup": round(spec_tps / target_tps, 3),
+        "speedup_runs": [round(x, 3) for x in speedups],  # in the order measured; the median is `speedup`
         # Beyond the fixed keys: the conditions users need to read the numbers.
         "batch_size": 1,
         "top_p": cfg.top_p,

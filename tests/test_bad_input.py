@@ -100,6 +100,11 @@ def test_launch_refuses_impossible_counts(flags, message):
         ),
         (["eval", "--drafter", "{run}", "--data", "{missing}"], "data file not found"),
         (["eval", "--drafter", "ngram", "--lookup", "--data", "builtin:code-holdout"], "'ngram' is not one"),
+        (["eval", "--drafter", "ngram", "--timing-runs", "0", "--data", "builtin:code-holdout"], "--timing-runs >= 1"),
+        (
+            ["compare", "--drafter", "ngram", "--timing-runs", "0", "--data", "builtin:code-holdout", "--out", "{out}"],
+            "--timing-runs >= 1",
+        ),
         (["compare", "--drafter", "{run}", "--data", "{missing}", "--out", "{out}"], "data file not found"),
         (
             ["export", "{run}", "--format", "vllm", "--out", "{out}", "--verify", "--data", "{missing}"],

@@ -137,6 +137,7 @@ def _validate(cfg: Config, where: str) -> None:
         (cfg.optim.batch_size >= 1, "optim.batch_size", "an integer >= 1"),
         (cfg.optim.grad_accum >= 1, "optim.grad_accum", "an integer >= 1"),
         (cfg.eval.k >= 1, "eval.k", "an integer >= 1"),
+        (cfg.eval.timing_runs >= 1, "eval.timing_runs", "an integer >= 1"),
         (cfg.data.max_length >= 8, "data.max_length", "an integer >= 8"),
         (cfg.dist_timeout_minutes > 0, "dist_timeout_minutes", "a number of minutes > 0"),
     ]

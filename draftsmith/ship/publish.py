@@ -174,7 +174,7 @@ def model_card(
                     format_table([report]),
                     "",
                     "τ = tokens per target verification pass; speedup = measured tokens/s against target-only decoding on the "
-                    "same hardware.",
+                    f"same hardware, {_timing_words(report)}.",
                     "",
                     *_lossless_words(report),
                     "![acceptance](acceptance.png)",
@@ -201,6 +201,14 @@ def model_card(
             )
         )
     )
+
+
+def _timing_words(report: dict) -> str:
+    """How many interleaved timing runs the speedup stands for (eval.timing_runs)."""
+    runs = len(report.get("speedup_runs") or [report["speedup"]])
+    if runs == 1:
+        return "one timing run (`draftsmith eval --timing-runs 3` gives the median of three with its min-max)"
+    return f"the median of {runs} interleaved timing runs, their min-max in brackets"
 
 
 def _lossless_words(report: dict) -> list[str]:

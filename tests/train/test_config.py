@@ -30,6 +30,7 @@ def test_precedence_defaults_recipe_overrides(tmp_path):
         ("drafter.type=eagel", "unknown drafter 'eagel'"),
         ("optim.batch_size=four", "expected int"),
         ("optim.schedule=step", "optim.schedule must be"),
+        ("eval.timing_runs=0", "eval.timing_runs must be an integer >= 1"),
         ("noequals", "expected key=value"),
     ],
 )
