@@ -176,18 +176,7 @@ class _Run:
 
     def decode(self, target, prompt: list[int], ref: list[int], max_new_tokens: int, eos: set[int], sampler) -> None:
         """Decode one prompt speculatively, timed; compare it with the target-only output `ref`."""
-        generated, seconds = timed(
-            speculative_decode,
-            target,
-            self.drafter.proposer,
-            prompt,
-            self.k,
-            max_new_tokens,
-            eos,
-            sampler,
-            self.stats,
-            self.spec,
-        )
+        generated, seconds = self.timed_decode(target, prompt, max_new_tokens, eos, sampler, self.stats)
         self.stats.seconds += seconds
         self.stats.new_tokens += len(generated)
         if generated != ref:
@@ -195,21 +184,12 @@ class _Run:
             if sampler is None:  # greedy: where and by how much the two outputs part
                 self.gaps.append(round(divergence_gap(target, prompt, ref, generated), 4))
 
-    def retime(self, target, prompt: list[int], max_new_tokens: int, eos: set[int], sampler) -> tuple[int, float]:
-        """Decode one prompt again, timed only (no counters): (tokens, seconds) for eval.timing_runs."""
-        generated, seconds = timed(
-            speculative_decode,
-            target,
-            self.drafter.proposer,
-            prompt,
-            self.k,
-            max_new_tokens,
-            eos,
-            sampler,
-            None,
-            self.spec,
-        )
-        return len(generated), seconds
+    def timed_decode(
+        self, target, prompt: list[int], max_new_tokens: int, eos: set[int], sampler, stats: Stats | None
+    ) -> tuple[list[int], float]:
+        """(tokens, seconds) of one speculative decode; stats None: timed only (eval.timing_runs' later runs)."""
+        proposer, k, spec = self.drafter.proposer, self.k, self.spec
+        return timed(speculative_decode, target, proposer, prompt, k, max_new_tokens, eos, sampler, stats, spec)
 
     def decoded(self, own: dict, **common: Any) -> Decoded:
         """This drafter's measurements; `common`: the fields every drafter of the run shares."""
@@ -334,8 +314,8 @@ def timing_run(
         ref, seconds = timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
         t_tokens, t_s = t_tokens + len(ref), t_s + seconds
         for row, r in zip(rows, runs):
-            tokens, seconds = r.retime(target, prompt, max_new_tokens, eos, sampler(n))
-            row[0], row[1] = row[0] + tokens, row[1] + seconds
+            generated, seconds = r.timed_decode(target, prompt, max_new_tokens, eos, sampler(n), None)
+            row[0], row[1] = row[0] + len(generated), row[1] + seconds
     return t_tokens, t_s, [(int(tokens), seconds) for tokens, seconds in rows]
 
 
