@@ -3,6 +3,7 @@ Each checks every input before a model loads, so a typo costs seconds, not a tar
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +28,8 @@ from draftsmith.target import load as target_load
 
 
 def eval_config(args: EvalArgs | CompareArgs) -> EvalConfig:
-    """The eval stage's settings the flags give (the flags mirror EvalConfig's fields)."""
-    names = (
-        "k",
-        "num_prompts",
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "tree",
-        "dtype",
-        "thinking",
-        "lookup",
-        "timing_runs",
-    )
-    return EvalConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+    """The eval stage's settings the flags give (the flags mirror EvalConfig's fields, by name)."""
+    return EvalConfig(**{f.name: getattr(args, f.name) for f in fields(EvalConfig) if hasattr(args, f.name)})
 
 
 def _eval_inputs(args: EvalArgs) -> tuple[list[int] | None, str, list[dict], bool, Path]:
