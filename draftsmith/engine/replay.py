@@ -33,6 +33,39 @@ class Round:
     start: int
     drafted: int
     accepted: int
+    # Replayed rounds only: per draft, the drafter's top logit and its margin over the runner-up
+    # (None where the proposer shows no logits: Medusa's heads).
+    tops: list[float] | None = None
+    margins: list[float] | None = None
+    # Replayed against a given round whose count differs: the drafter's logit gap at the first draft
+    # where the two part (`parting_gap`), and that draft's index.
+    gap: float | None = None
+    parted_at: int | None = None
+
+
+class _Greedy:
+    """A 'sampler' for `proposer.propose` that drafts greedily (the argmax, as with no sampler) and keeps
+    the logits row each draft was picked from in `Draft.qs`: every proposer that samples hands its
+    sampler that row, so the replay sees the drafter's margins without a hook in each family."""
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.float()
+
+    def sample(self, q: torch.Tensor) -> int:
+        return int(q.argmax())
+
+
+def parting_gap(logits: torch.Tensor, accepted: int, other: int, truth: list[int]) -> float:
+    """The drafter's logit gap at the first draft where a round that accepted `accepted` drafts parts
+    from another engine's round that accepted `other` (draft j = min of the two), on that draft's
+    logits [V]. If this drafter's draft j was rejected, the other engine drafted the text's token there:
+    the gap is top-1 minus that token's logit. If it was kept, the other engine drafted anything but it:
+    the gap is at least the top-1's margin over the runner-up, which is returned. A near-tie gap means
+    rounding could have flipped the choice; a large one means the two drafters disagree."""
+    top2 = logits.topk(2).values
+    if accepted < other:
+        return float(top2[0] - logits[truth[accepted]])
+    return float(top2[0] - top2[1])
 
 
 def rounds_from_steps(drafted: list[int], accepted: list[int], length: int) -> list[Round] | None:
@@ -69,19 +102,27 @@ def replay(target, proposer, prompt: list[int], continuation: list[int], k: int,
     proposer.reset()
     stats = Stats(k=max([k, *(r.drafted for r in rounds or [])]))
 
-    def draft_at(start: int, want: int) -> Round:
+    def draft_at(start: int, want: int, other: int | None = None) -> Round:
         n = len(prompt) + start  # tokens known when the round drafts; the target verified all but the newest
-        draft = proposer.propose(
-            torch.tensor([ids[:n]], device=device), {m: feats[m][:, : n - 1] for m in names}, want
-        ).tokens
+        made = proposer.propose(
+            torch.tensor([ids[:n]], device=device), {m: feats[m][:, : n - 1] for m in names}, want, _Greedy()
+        )
+        draft, rows = made.tokens, [q for q in made.qs if q is not None]
         # The continuation ends at an EOS or at the budget: a draft is kept only where the text goes on.
         truth = continuation[start : start + len(draft)]
         accepted = next((i for i, (a, b) in enumerate(zip(draft, truth)) if a != b), len(truth))
         stats.record(len(draft), accepted, min(accepted + 1, len(continuation) - start), len(draft))
-        return Round(start, len(draft), accepted)
+        done = Round(start, len(draft), accepted)
+        if rows and len(rows) == len(draft):
+            top2 = torch.stack([q.topk(2).values for q in rows])  # [drafts, 2]
+            done.tops, done.margins = top2[:, 0].tolist(), (top2[:, 0] - top2[:, 1]).tolist()
+            j = min(accepted, other if other is not None else accepted)
+            if other is not None and other != accepted and j < len(truth):
+                done.gap, done.parted_at = parting_gap(rows[j], accepted, other, truth), j
+        return done
 
     if rounds is not None:
-        done = [draft_at(r.start, r.drafted) for r in rounds]
+        done = [draft_at(r.start, r.drafted, r.accepted) for r in rounds]
     else:  # the greedy engine's loop: the next round starts past the accepted drafts and one more token
         done, start = [], 1
         while start < len(continuation):

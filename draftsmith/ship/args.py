@@ -70,9 +70,12 @@ class ServeCheckArgs:
     """vLLM tokens/s at these numbers of concurrent requests, e.g. 1,2,4,8,16 (beside draftsmith's
     batch-size curve at the same sizes)"""
     deploy_k: str = ""
-    """also serve the export at each of these K (e.g. 1,2,3,4) at every --concurrency and write
-    OUT/deploy/vllm.json: the speculative config with the fastest K per batch size (vLLM's
-    num_speculative_tokens_per_batch_size), read back by vLLM's own config code and served once"""
+    """also serve the export at each of these K (e.g. 1,2,3,4) at every --concurrency, --deploy-runs
+    times interleaved with the target alone, and write OUT/deploy/vllm.json: the speculative config with
+    the K per batch size that beats the runs' spread (vLLM's num_speculative_tokens_per_batch_size), read
+    back by vLLM's own config code and served once"""
+    deploy_runs: int = 3
+    """timing runs per K and concurrency for --deploy-k (at least 3)"""
     dtype: str = field(default="float32", metadata={"type": dtype_arg})
     """both engines' precision (default float32: greedy outputs must then agree token for token)"""
     drafter: str | None = None

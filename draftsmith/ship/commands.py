@@ -101,6 +101,7 @@ def run_serve_check(args: ServeCheckArgs) -> None:
         args.port,
         tuple(args.vllm_arg),
         parse_batch_sizes(args.deploy_k, "--deploy-k") if args.deploy_k else None,
+        args.deploy_runs,
     )
     print(markdown(r))
     print(f"wrote {args.out}/serve_check.json, serve_check.md")

@@ -10,33 +10,66 @@ the answer as config: `SpeculativeConfig.num_speculative_tokens_per_batch_size`,
 served). vLLM fills a gap between ranges, and every batch size past the last, with the K before it
 (`vllm/v1/spec_decode/dynamic/utils.py build_dynamic_sd_schedule_lookup`).
 
-`fastest_k` picks, at each measured concurrency, the K with the most tokens/s (0 where the target alone
-was faster); `schedule` turns those picks into vLLM's ranges: the K measured at concurrency c covers batch
-sizes from c up to the next measured level; `deploy_config` is the speculative config; `check` refuses
-a file vLLM would serve differently from what it says; `in_vllm` builds vLLM's own `VllmConfig` from it
-in the vLLM environment (its `SpeculativeConfig` validation included) and reads back the K per batch size.
+`choose_k` picks, at each measured concurrency, the K that noise cannot have picked: every level is
+timed in at least `MIN_RUNS` runs, target-only and each K interleaved (`interleaved_runs`: one server
+each, all up together, the order rotated every run), and K > 0 is chosen only where its slowest run
+beats target-only's fastest; between two K the larger only where its slowest run beats the smaller's
+fastest (it wins by more than the runs' spread), else the smaller. A K planted to lose is so never
+chosen, and one planted to win is chosen once its margin exceeds the spread (tests/ship/test_deploy.py).
+`schedule` turns those picks into vLLM's ranges: the K measured at concurrency c covers batch sizes from c
+up to the next measured level; `deploy_config` is the speculative config; `check` refuses a file vLLM
+would serve differently from what it says; `in_vllm` builds vLLM's own `VllmConfig` from it in the vLLM
+environment (its `SpeculativeConfig` validation included) and reads back the K per batch size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import statistics
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from draftsmith import DraftsmithError
+from draftsmith.models.registry import drafter_family
+from draftsmith.target import vllm_server
+
+if TYPE_CHECKING:
+    from draftsmith.ship.serve_check import Served
 
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 
 
-def fastest_k(target_tps: dict[int, float], spec_tps: dict[int, dict[int, float]]) -> dict[int, int]:
-    """{concurrency: target-only tokens/s} and {K: {concurrency: tokens/s}} -> {concurrency: the K with
-    the most tokens/s there, or 0 where the target alone was fastest}. Ties go to the smaller K (less
-    verification work for the same speed)."""
+MIN_RUNS = 3  # timing runs per K and level: fewer leave no spread for a margin to beat
+
+
+def choose_k(target_runs: dict[int, list[float]], spec_runs: dict[int, dict[int, list[float]]]) -> dict[int, int]:
+    """{concurrency: target-only tokens/s of each run} and {K: {concurrency: tokens/s of each run}} ->
+    {concurrency: the K to serve there, 0 = the target alone}. Walking K upwards, a K replaces the choice
+    so far (the target alone at first) only where its slowest run beats that choice's fastest; a K
+    whose margin is within the runs' spread leaves the smaller choice standing."""
     best = {}
-    for c, plain in sorted(target_tps.items()):
-        k, tps = max(((k, run[c]) for k, run in sorted(spec_tps.items()) if c in run), key=lambda kv: kv[1])
-        best[c] = k if tps > plain else 0
+    for c, plain in sorted(target_runs.items()):
+        chosen, runs = 0, plain
+        for k in sorted(spec_runs):
+            mine = spec_runs[k].get(c)
+            if mine and min(mine) > max(runs):
+                chosen, runs = k, mine
+        best[c] = chosen
     return best
+
+
+def check_levels(num_prompts: int, concurrency: list[int], runs: int = MIN_RUNS) -> None:
+    """A curve that can be measured: each level needs as many prompts as requests in flight, and every
+    level at least MIN_RUNS runs (a one-line error naming the flag otherwise)."""
+    if max(concurrency) > num_prompts:
+        raise DraftsmithError(
+            f"--concurrency {max(concurrency)}: more concurrent requests than the {num_prompts} prompts measured "
+            "(raise --num-prompts or lower --concurrency)"
+        )
+    if runs < MIN_RUNS:
+        raise DraftsmithError(f"--deploy-runs {runs}: at least {MIN_RUNS} runs per level, to have a spread to beat")
 
 
 def schedule(best: dict[int, int]) -> list[list[int]]:
@@ -157,4 +190,81 @@ def in_vllm(config: dict, model: str, python: str, max_model_len: int = 1024, ma
     got = json.loads(lines[-1])
     if "error" in got:
         raise DraftsmithError(f"deploy config: vLLM refuses it ({got['error']})")
+    return got
+
+
+def curve(
+    run: Served, config: dict, ks: list[int], max_new_tokens: int, concurrency: list[int], out: Path, runs: int
+) -> dict:
+    """`serve-check --deploy-k`: the target alone and the export at each K of `ks` (and the check's own
+    K), timed `runs` times at every concurrency (`interleaved_runs`); the K `choose_k` picks at each
+    becomes OUT/deploy/vllm.json with the runs it was chosen from beside it (measured.json), which vLLM's
+    own config code then reads back, and one more server runs with it to show the K vLLM drafted at each
+    concurrency (draft tokens per draft, from its counters)."""
+    serving = drafter_family(config["draftsmith"]["drafter"]).vllm_serving
+    assert serving is not None and run.spec is not None  # decode_both served this family's export
+    speculative = {}
+    for k in sorted({*ks, run.k}):
+        spec = serving(run.export_dir.resolve(), config, k)[0]
+        speculative.setdefault(spec["num_speculative_tokens"], spec)  # Medusa drafts its heads whatever K asks
+    timed = interleaved_runs(run, speculative, max_new_tokens, concurrency, runs)
+    best = choose_k(timed[0], {k: v for k, v in timed.items() if k})
+    chosen = deploy_config(run.speculative, best)
+    kw = run.serve_kwargs or {}
+    python = vllm_server.find_python(kw.get("python"))
+    vllm_reads = in_vllm(chosen, run.served, python, kw.get("max_model_len", 1024), max(concurrency))
+    med = lambda by_c: {c: round(statistics.median(v), 2) for c, v in by_c.items()}  # noqa: E731
+    measured = {
+        "rule": "K > 0 where its slowest run beats target-only's fastest; a larger K only where its slowest run "
+        "beats the smaller choice's fastest",
+        "runs": runs,
+        "target_tokens_per_s": med(timed[0]),
+        "spec_tokens_per_s": {k: med(timed[k]) for k in sorted(speculative)},
+        "tokens_per_s_runs": {k: {c: [round(x, 2) for x in v] for c, v in by_c.items()} for k, by_c in timed.items()},
+        "spread": {k: {c: round(max(v) - min(v), 2) for c, v in by_c.items()} for k, by_c in timed.items()},
+        "chosen_k": best,
+        "vllm_reads": vllm_reads,
+        "served": drafted_k(run, chosen, max_new_tokens, concurrency),
+    }
+    path = write(chosen, out / "deploy", measured)
+    return {"path": str(path), "speculative_config": chosen, **measured}
+
+
+def interleaved_runs(
+    run: Served, speculative: dict[int, dict], max_new_tokens: int, concurrency: list[int], runs: int
+) -> dict[int, dict[int, list[float]]]:
+    """One vLLM server of the target alone (key 0) and one per K, all up together; `runs` times over,
+    each server in turn (the order rotated one place per run, so no K always goes first or follows the
+    same one) times the prompts at every concurrency -> {K: {concurrency: [tokens/s of each run]}}."""
+    plain_kw = run.plain_kwargs or {}
+    spec_kw = {**plain_kw, "extra": (*run.family_args, *plain_kw.get("extra", ()))}
+    with contextlib.ExitStack() as stack:
+        servers = {0: stack.enter_context(vllm_server.serve(run.served, **plain_kw))}
+        for k, spec in speculative.items():
+            servers[k] = stack.enter_context(vllm_server.serve(run.served, speculative=spec, **spec_kw))
+        for server in servers.values():
+            vllm_server.complete(server, run.prompts[0][:8], 4)  # warm-up: first-request costs stay out
+        order, got = list(servers), {k: {c: [] for c in concurrency} for k in servers}
+        for i in range(runs):
+            for k in order[i % len(order) :] + order[: i % len(order)]:
+                for c in concurrency:
+                    outs, seconds = vllm_server.complete_all(servers[k], run.prompts, max_new_tokens, c)
+                    got[k][c].append(sum(map(len, outs)) / seconds)
+    return got
+
+
+def drafted_k(run: Served, speculative: dict, max_new_tokens: int, concurrency: list[int]) -> dict:
+    """vLLM serving the prompts with `speculative` at each concurrency -> {concurrency: {tokens_per_s,
+    draft_tokens_per_draft (the K it drafted, averaged over its drafting steps; 0: it did not draft)}}."""
+    got = {}
+    with vllm_server.serve(run.served, speculative=speculative, **(run.serve_kwargs or {})) as server:
+        vllm_server.complete(server, run.prompts[0][:8], 4)  # warm-up
+        for c in concurrency:
+            before = vllm_server.spec_counters(server)
+            outs, seconds = vllm_server.complete_all(server, run.prompts, max_new_tokens, c)
+            delta = vllm_server.counter_delta(vllm_server.spec_counters(server), before)
+            got[c] = {
+                "tokens_per_s": round(sum(map(len, outs)) / seconds, 2),
+                "draft_tokens_per_draft": round(delta["num_draft_tokens"] / max(delta["num_drafts"], 1), 3),
+            }
     return got

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,7 +240,8 @@ class Served:
     refusal: str | None = None  # vLLM's error when it refused the export
     exact: bool = True  # the target decoded in fp32, where outputs must be identical
     divergences: list[dict] | None = None  # low precision: where vLLM's two outputs part (`divergences`)
-    serve_kwargs: dict | None = None  # how the servers were started (`vllm_server.serve`'s keywords)
+    serve_kwargs: dict | None = None  # how the speculative server was started (`vllm_server.serve`'s keywords)
+    plain_kwargs: dict | None = None  # how the target-only server was started
     replay: dict | None = None  # vLLM's rounds replayed by draftsmith on vLLM's text (ship/replay_check.py)
 
 
@@ -260,11 +262,14 @@ def serve_check(
     port: int = 0,
     extra: tuple[str, ...] = (),
     deploy_k: list[int] | None = None,
+    deploy_runs: int = deploy.MIN_RUNS,
 ) -> dict:
     """Run the check (module docstring); write OUT/serve_check.json, .md and .png -> the result.
-    `deploy_k`: also serve these K at every concurrency and write OUT/deploy/vllm.json (`deploy_curve`)."""
+    `deploy_k`: also serve these K at every concurrency, `deploy_runs` times interleaved with the target
+    alone, and write OUT/deploy/vllm.json (ship/deploy.py `curve`)."""
     path, out = Path(path), Path(out)
     concurrency = sorted(set(concurrency or [1]) | {1})
+    deploy.check_levels(num_prompts, concurrency, deploy_runs if deploy_k else deploy.MIN_RUNS)
     if server is None or target_server is None:
         vllm_python = vllm_server.find_python(vllm_python)  # fail before any model loads
     load_prompts(data, num_prompts)  # a bad holdout fails before any model loads, as a bad folder does
@@ -292,7 +297,7 @@ def serve_check(
     )
     result = serve_report(run, data, max_new_tokens, dtype, concurrency)
     if deploy_k and run.spec is not None:
-        result["deploy"] = deploy_curve(run, config, deploy_k, max_new_tokens, concurrency, out, vllm_python)
+        result["deploy"] = deploy.curve(run, config, deploy_k, max_new_tokens, concurrency, out, deploy_runs)
     write(result, out)
     return result
 
@@ -350,17 +355,18 @@ def decode_both(
         log_dir=out,
     )
     plain = vllm_side(served, prompts, max_new_tokens, concurrency, url=target_server, **kw)
+    plain_kwargs = dict(kw)
     # What the family's export needs, each request's rounds for the replay, then the user's flags.
     kw["extra"] = (*family_args, *vllm_server.PER_REQUEST_SPEC_METRICS, *extra)
     run = Served(export_dir, family.NAME, speculative, family_args, served, prompts, k, ours, ours_ref, plain)
-    run.serve_kwargs = kw
+    run.serve_kwargs, run.plain_kwargs = kw, plain_kwargs
     try:
         run.spec = vllm_side(served, prompts, max_new_tokens, concurrency, speculative, url=server, **kw)
     except DraftsmithError as e:  # vLLM refused the export: that is the finding
         run.refusal = str(e)
         return run
     run.replay = replay_check.compare(
-        resolved.verifier, resolved.proposer, prompts, run.spec["outputs"], run.spec["rounds"], k
+        resolved.verifier, resolved.proposer, prompts, run.spec["outputs"], run.spec["rounds"], k, _dtype(target)
     )
     run.exact = next(target.parameters()).dtype == torch.float32  # what `dtype` (`auto` too) resolved to
     if not run.exact:  # where vLLM's speculative outputs part from its target-only ones, and at what gap
@@ -368,61 +374,6 @@ def decode_both(
         served_model = load_target(served, dtype)[0] if info.get("backbone") else target
         run.divergences = divergences(served_model, prompts, run.spec["outputs"], plain["outputs"], tok.eos_token_id)
     return run
-
-
-def deploy_curve(
-    run: Served,
-    config: dict,
-    ks: list[int],
-    max_new_tokens: int,
-    concurrency: list[int],
-    out: Path,
-    python: str | None,
-) -> dict:
-    """`serve-check --deploy-k`: vLLM serves the export at each K of `ks` (the check's own K is measured
-    already) and times every concurrency; the K fastest at each becomes OUT/deploy/vllm.json
-    (ship/deploy.py), which vLLM's own config code then reads back, and one more server runs with it to
-    show the K vLLM drafted at each concurrency (draft tokens per draft, from its counters)."""
-    serving = drafter_family(config["draftsmith"]["drafter"]).vllm_serving
-    assert serving is not None and run.spec is not None  # decode_both served this family's export
-    kw = run.serve_kwargs or {}
-    speeds = {run.k: run.spec["tokens_per_s"]}
-    for k in ks:
-        speculative = serving(run.export_dir.resolve(), config, k)[0]
-        if speculative["num_speculative_tokens"] not in speeds:  # Medusa drafts its heads whatever K asks
-            side = vllm_side(run.served, run.prompts, max_new_tokens, concurrency, speculative, **kw)
-            speeds[speculative["num_speculative_tokens"]] = side["tokens_per_s"]
-    best = deploy.fastest_k(run.plain["tokens_per_s"], speeds)
-    chosen = deploy.deploy_config(run.speculative, best)
-    python = vllm_server.find_python(python)
-    vllm_reads = deploy.in_vllm(chosen, run.served, python, kw.get("max_model_len", 1024), max(concurrency))
-    drafted = drafted_k(run, chosen, max_new_tokens, concurrency)
-    measured = {
-        "target_tokens_per_s": run.plain["tokens_per_s"],
-        "spec_tokens_per_s": {k: speeds[k] for k in sorted(speeds)},
-        "fastest_k": best,
-        "vllm_reads": vllm_reads,
-        "served": drafted,
-    }
-    path = deploy.write(chosen, out / "deploy", measured)
-    return {"path": str(path), "speculative_config": chosen, **measured}
-
-
-def drafted_k(run: Served, speculative: dict, max_new_tokens: int, concurrency: list[int]) -> dict:
-    """vLLM serving the prompts with `speculative` at each concurrency -> {concurrency: {tokens_per_s,
-    draft_tokens_per_draft (the K it drafted, averaged over its drafting steps; 0: it did not draft)}}."""
-    got = {}
-    with vllm_server.serve(run.served, speculative=speculative, **(run.serve_kwargs or {})) as server:
-        vllm_server.complete(server, run.prompts[0][:8], 4)  # warm-up
-        for c in concurrency:
-            before = vllm_server.spec_counters(server)
-            outs, seconds = vllm_server.complete_all(server, run.prompts, max_new_tokens, c)
-            delta = vllm_server.counter_delta(vllm_server.spec_counters(server), before)
-            got[c] = {
-                "tokens_per_s": round(sum(map(len, outs)) / seconds, 2),
-                "draft_tokens_per_draft": round(delta["num_draft_tokens"] / max(delta["num_drafts"], 1), 3),
-            }
-    return got
 
 
 def serve_report(run: Served, data: str, max_new_tokens: int, dtype: str, concurrency: list[int]) -> dict:
@@ -487,8 +438,8 @@ def serve_report(run: Served, data: str, max_new_tokens: int, dtype: str, concur
 def failures(result: dict, ours: dict, exact: bool) -> list[str]:
     """Why the check fails, one clause per reason (none: it passed). fp32 asks identical outputs; in
     low precision vLLM's outputs may part only at near-ties. Acceptance: where vLLM reported its rounds,
-    both engines on vLLM's own text, per position within the prompts' sampling error
-    (ship/replay_check.py); otherwise τ on each engine's own text within `tau_tolerance`."""
+    both engines on vLLM's own text, round by round (ship/replay_check.py); otherwise τ on each
+    engine's own text within `tau_tolerance`."""
     n, why = result["num_prompts"], []
     if ours["rule_exact"] is False:
         why.append("draftsmith's greedy rounds broke the verification rule (rule_exact false)")
@@ -509,7 +460,7 @@ def failures(result: dict, ours: dict, exact: bool) -> list[str]:
             f"{n - result['prompts_identical_to_draftsmith']} of {n} prompts (fp32)"
         )
     replayed = result.get("replay") or {}
-    if replayed.get("available") and replayed["judged"]:
+    if replayed.get("available"):
         why += replay_check.failures(replayed)
     elif not result["tau_rel_diff"] <= result["tau_tolerance"]:
         why.append(
@@ -537,8 +488,8 @@ def _replay_clause(p: dict | None) -> str:
     if not p or not p["available"]:
         return ""
     return (
-        f"; on vLLM's text τ {p['vllm_tau']:.2f} vs {p['draftsmith_tau']:.2f} replayed "
-        f"({p['tau_diff']:+.3f}, tolerance {p['tau_tolerance']:.3f})"
+        f"; on vLLM's text τ {p['vllm_tau']:.2f} vs {p['draftsmith_tau']:.2f} replayed, "
+        f"{p['rounds_differing']} of {p['rounds']} rounds differing ({p['rounds_clear']} beyond a near-tie)"
     )
 
 
@@ -580,7 +531,7 @@ def markdown(r: dict) -> str:
             *_divergence_lines(r),
             *_replay_lines(r.get("replay")),
             f"τ on each engine's own text differs by {r['tau_rel_diff']:.1%} (tolerance {r['tau_tolerance']:.1%}"
-            f"{', informative only: the verdict compares the same text above' if (r.get('replay') or {}).get('judged') else ''}): "
+            f"{', informative only: the verdict compares the same rounds above' if (r.get('replay') or {}).get('available') else ''}): "
             f"**{'passed' if r['passed'] else 'FAILED: ' + r['why']}**.",
             "",
             "| concurrency | vLLM target tok/s | vLLM spec tok/s | vLLM speedup |",
@@ -605,24 +556,26 @@ def markdown(r: dict) -> str:
 
 
 def _deploy_lines(d: dict | None) -> list[str]:
-    """The deploy config's section: tokens/s per K and concurrency, the K chosen, and vLLM serving it."""
+    """The deploy config's section: tokens/s per K and concurrency (median and min-max of the runs), the
+    K chosen, and vLLM serving it."""
     if not d:
         return []
-    ks = list(d["spec_tokens_per_s"])
-    levels = list(d["target_tokens_per_s"])
+    ks, levels = list(d["spec_tokens_per_s"]), list(d["target_tokens_per_s"])
+    runs = d["tokens_per_s_runs"]
+    cell = lambda k, c: f"{statistics.median(runs[k][c]):.1f} ({min(runs[k][c]):.1f}-{max(runs[k][c]):.1f})"  # noqa: E731
     return [
         f'Deploy config `{d["path"]}` (pass it as `vllm serve ... --speculative-config "$(cat {d["path"]})"`): '
-        f"`{deploy.SCHEDULE_KEY}` {d['speculative_config'][deploy.SCHEDULE_KEY]}, the K with the most vLLM tokens/s "
-        "at each concurrency (0: the target alone was faster).",
+        f"`{deploy.SCHEDULE_KEY}` {d['speculative_config'][deploy.SCHEDULE_KEY]}. Each level timed in "
+        f"{d['runs']} runs, the target alone and each K interleaved; rule: {d['rule']} (0: the target alone).",
         "",
         "| concurrency | target tok/s | "
         + " | ".join(f"K={k} tok/s" for k in ks)
         + " | K chosen | served with it: tok/s | K drafted |",
         "|---|---|" + "---|" * len(ks) + "---|---|---|",
         *[
-            f"| {c} | {d['target_tokens_per_s'][c]:.1f} | "
-            + " | ".join(f"{d['spec_tokens_per_s'][k][c]:.1f}" for k in ks)
-            + f" | {d['fastest_k'][c]} | {d['served'][c]['tokens_per_s']:.1f} | {d['served'][c]['draft_tokens_per_draft']:.2f} |"
+            f"| {c} | {cell(0, c)} | "
+            + " | ".join(cell(k, c) for k in ks)
+            + f" | {d['chosen_k'][c]} | {d['served'][c]['tokens_per_s']:.1f} | {d['served'][c]['draft_tokens_per_draft']:.2f} |"
             for c in levels
         ],
         "",
@@ -634,31 +587,31 @@ def _deploy_lines(d: dict | None) -> list[str]:
 
 
 def _replay_lines(p: dict | None) -> list[str]:
-    """The same-text comparison (ship/replay_check.py): per position and τ, both engines, the paired
-    difference and its bootstrap interval over prompts."""
+    """The same-text comparison (ship/replay_check.py): the round verdict's counts, the prompts that
+    hold differing rounds, and the pooled figures of both engines with draftsmith's sampling error."""
     if not p:
         return []
     if not p["available"]:
         return [f"Same-text comparison not made: {p['why']}.", ""]
     pp = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    where = "; ".join(
+        f"prompt {d['prompt']}: {d['clear']} beyond a near-tie, {d['near_tie']} at one" for d in p["differing_prompts"]
+    )
     return [
-        f"On vLLM's own text, round by round ({p['rounds']} rounds whose drafts lie inside the text, "
-        f"{p['prompts']} prompts; draftsmith replays vLLM's rounds with the trained drafter):",
+        f"On vLLM's own text, round by round: {p['rounds']} of vLLM's rounds (drafts inside the text, "
+        f"{p['prompts']} prompts), each replayed by draftsmith with the trained drafter from the same prefix. "
+        f"**{p['rounds_differing']} rounds accept another count** — {p['rounds_clear']} where the drafter's logits "
+        f"are no near-tie (each fails the check), {p['rounds_near_tie']} at a near-tie (bound: {p['tie_bound']}; "
+        f"{p['tie_drafts']} drafts where rounding could flip one, binomial p = {p['flip_p_value']:.3g} against "
+        "half of them flipping)." + (f" Prompts with differing rounds: {where}." if where else ""),
         "",
         "| | per-position acceptance | τ |",
         "|---|---|---|",
         f"| vLLM | {pp(p['vllm_per_position'])} | {p['vllm_tau']:.3f} |",
         f"| draftsmith (replay) | {pp(p['draftsmith_per_position'])} | {p['draftsmith_tau']:.3f} |",
         f"| difference | {pp(p['per_position_diff'])} | {p['tau_diff']:+.3f} |",
-        f"| tolerance (what chance explains: engines swapped per prompt) | {pp(p['per_position_tolerance'])} "
-        f"| {p['tau_tolerance']:.3f} |",
-        f"| sampling error of draftsmith's figure (95 %) | ±{' ±'.join(f'{e:.3f}' for e in p['per_position_sampling_error'])} "
-        f"| ±{p['tau_sampling_error']:.3f} |",
-        "",
-        "The check fails where a difference exceeds its tolerance."
-        if p["judged"]
-        else f"Too few prompts to judge by this ({p['prompts']}; at least {replay_check.min_prompts(len(p['per_position_diff']))}): "
-        "the τ tolerance below decides.",
+        f"| sampling error of draftsmith's figure (95 %, bootstrap over prompts) | "
+        f"±{' ±'.join(f'{e:.3f}' for e in p['per_position_sampling_error'])} | ±{p['tau_sampling_error']:.3f} |",
         "",
     ]
 

@@ -191,8 +191,9 @@ def test_eagle3_export_served_by_vllm_matches_draftsmith(pattern, trained, targe
     # texts are draftsmith's greedy ones, and the two engines' drafters agree round by round.
     p = r["replay"]
     assert p["available"] and p["prompts"] == 12 and p["untiled_prompts"] == 0 and p["rounds"] > 12 * 5
-    assert p["judged"] and all(abs(d) <= t for d, t in zip(p["per_position_diff"], p["per_position_tolerance"]))
-    assert p["vllm_tau"] > 1.5 and abs(p["tau_diff"]) <= p["tau_tolerance"] and abs(p["tau_diff"]) < 0.05
+    # fp32: every one of vLLM's rounds accepts what draftsmith's replay of it accepts.
+    assert p["rounds_differing"] == 0 and p["per_position_diff"] == [0.0] * 3 and p["tau_diff"] == 0.0
+    assert p["vllm_tau"] > 1.5 and p["tau_sampling_error"] > 0
     if concurrency:
         assert [c["concurrency"] for c in r["concurrency"]] == [1, 2]
         assert [c["batch_size"] for c in r["draftsmith_batch_curve"]] == [1, 2]
@@ -238,47 +239,82 @@ def test_serve_check_writes_the_deploy_config_vllm_serves_with_the_k_it_chose(
     d = r["deploy"]
     config = deploy.read(tmp_path / "sc" / "deploy" / "vllm.json")
     assert config == d["speculative_config"] and config["method"] == r["speculative_config"]["method"]
-    assert sorted(d["spec_tokens_per_s"]) == [1, 3] and sorted(d["fastest_k"]) == [1, 4]
-    for c, k in d["fastest_k"].items():  # the chosen K is the fastest measured there
-        fastest = max(d["spec_tokens_per_s"][j][c] for j in (1, 3))
-        assert (k == 0 and fastest <= d["target_tokens_per_s"][c]) or d["spec_tokens_per_s"][k][c] == fastest
-    assert d["vllm_reads"]["k_per_batch_size"][0] == d["fastest_k"][1]
-    assert d["served"][1]["draft_tokens_per_draft"] == pytest.approx(d["fastest_k"][1], abs=0.01)
+    assert sorted(d["spec_tokens_per_s"]) == [1, 3] and sorted(d["chosen_k"]) == [1, 4] and d["runs"] == 3
+    runs = d["tokens_per_s_runs"]
+    assert all(len(runs[k][c]) == 3 for k in (0, 1, 3) for c in (1, 4))
+    assert d["chosen_k"] == deploy.choose_k(runs[0], {k: runs[k] for k in (1, 3)})  # the rule, on its own runs
+    for c, k in d["chosen_k"].items():  # a chosen K's slowest run beats the target's fastest
+        assert k == 0 or min(runs[k][c]) > max(runs[0][c])
+    assert d["vllm_reads"]["k_per_batch_size"][0] == d["chosen_k"][1]
+    if d["chosen_k"][1]:
+        assert d["served"][1]["draft_tokens_per_draft"] == pytest.approx(d["chosen_k"][1], abs=0.01)
     assert "Deploy config" in (tmp_path / "sc" / "serve_check.md").read_text()
 
 
-def _break(export_dir: Path, how: str) -> None:
-    """`rows`: the head's lm_head rows rolled by one (every draft token is the wrong one); `ids`: the
-    aux layer ids one lower, the classic off-by-one (vLLM then taps other layers)."""
+def _swap_d2t(export_dir: Path, tok, pair: str = "eq") -> None:
+    """Two rows of the draft->target map swapped (2 of 60 draft ids, 3 %): the head drafts letter
+    `pair[1]` where it means `pair[0]` and back. Rounds that draft neither letter are untouched."""
     from safetensors.torch import load_file, save_file
 
+    state = load_file(export_dir / "model.safetensors")
+    d2t = state["d2t"]
+    targets = torch.arange(len(d2t)) + d2t  # target id = draft id + d2t[draft id]
+    a, b = (int((targets == tok.convert_tokens_to_ids(c)).nonzero()[0]) for c in pair)
+    targets[a], targets[b] = targets[b].clone(), targets[a].clone()
+    state["d2t"] = (targets - torch.arange(len(d2t))).to(d2t.dtype).contiguous()
+    save_file(state, export_dir / "model.safetensors")
+
+
+def _set_everywhere(config, key: str, change):
+    """Every `key` of a nested config changed by `change` (a RoPE base is written in both spellings)."""
+    if isinstance(config, dict):
+        return {k: change(v) if k == key else _set_everywhere(v, key, change) for k, v in config.items()}
+    return [_set_everywhere(v, key, change) for v in config] if isinstance(config, list) else config
+
+
+def _break(export_dir: Path, how: str, tok=None) -> None:
+    """Realistic export defects, each partial: `rows`: the head's lm_head rows rolled by one (every
+    draft token is the wrong one); `ids`: the aux layer ids one lower, the classic off-by-one (vLLM
+    then taps other layers); `d2t`: two of the 60 draft->target rows swapped; `rope`: the drafter's
+    rope_theta doubled (positions mis-rotated, more the farther they are)."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((export_dir / "config.json").read_text())
     if how == "rows":
         state = load_file(export_dir / "model.safetensors")
         state["lm_head.weight"] = state["lm_head.weight"].roll(1, dims=0).contiguous()
         save_file(state, export_dir / "model.safetensors")
+    elif how == "d2t":
+        _swap_d2t(export_dir, tok)
+    elif how == "rope":
+        config = _set_everywhere(config, "rope_theta", lambda v: 2 * v)
     else:
-        config = json.loads((export_dir / "config.json").read_text())
         config["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
-        (export_dir / "config.json").write_text(json.dumps(config))
+    (export_dir / "config.json").write_text(json.dumps(config))
 
 
 @needs_vllm
-@pytest.mark.parametrize("how", ["rows", pytest.param("ids", marks=pytest.mark.vllm_families)])
-def test_a_broken_export_fails_on_acceptance(pattern, trained, target_server, tmp_path, how):
-    """vLLM loads a broken export and stays lossless, but drafts other tokens than the trained
-    drafter: compared with it (not with the export read back), acceptance on the same text falls apart."""
+@pytest.mark.parametrize("how", ["rows", "d2t", "rope", "ids"])
+def test_planted_export_defects_fail_round_by_round(pattern, trained, target_server, tmp_path, how):
+    """vLLM loads a broken export and stays lossless, but drafts other tokens than the trained drafter
+    in some rounds: compared with it (not with the export read back), those rounds accept another count
+    on the same text, at margins no rounding explains."""
     from draftsmith.ship.export import export
     from draftsmith.target.load import load_target
 
     final = trained("eagle3")
     target, tok = load_target(str(pattern["target"]), "float32")
     broken = export(final, target, "speculators", tmp_path / "broken", tok)
-    _break(broken, how)
-    # 8 prompts: the fewest on which a difference can exceed what chance explains (replay_check.min_prompts).
-    r = _check(pattern, target_server, broken, tmp_path / "sc", drafter=final, num_prompts=8)
+    _break(broken, how, tok)
+    r = _check(pattern, target_server, broken, tmp_path / "sc", drafter=final)
     assert r["loaded"] and r["identical_to_target_only"]  # lossless still: only acceptance suffers
-    assert not r["passed"] and "acceptance at draft position 1 on vLLM's own text" in r["why"]
-    assert r["replay"]["draftsmith_per_position"][0] - r["replay"]["vllm_per_position"][0] > 0.5
+    p = r["replay"]
+    print(f"planted {how}:", json.dumps({key: p[key] for key in ("rounds", "rounds_differing", "rounds_clear")}))
+    print(f"planted {how}: prompts", [(d["prompt"], d["clear"]) for d in p["differing_prompts"]], p["tau_diff"])
+    assert not r["passed"] and "rounds on vLLM's own text accepted another count" in r["why"], json.dumps(p)
+    assert p["rounds_clear"] >= 1 and p["differing_prompts"]
+    if how == "rows":
+        assert p["draftsmith_per_position"][0] - p["vllm_per_position"][0] > 0.5
 
 
 @needs_vllm
@@ -592,6 +628,14 @@ def test_bad_input_gives_one_line_errors(tmp_path, monkeypatch):
     with pytest.raises(DraftsmithError, match="no vLLM server answers"):  # nothing listens there now
         with vllm_server.serve(url=f"http://127.0.0.1:{port}"):
             pass
+    # A speed at 16 concurrent requests from 2 prompts is never measured: refused before anything runs.
+    for flags, want in (
+        (dict(num_prompts=2, concurrency=[1, 16], deploy_k=[1, 2]), r"^--concurrency 16: more concurrent requests"),
+        (dict(concurrency=[1, 4], deploy_k=[1, 2], deploy_runs=1), r"^--deploy-runs 1: at least 3 runs"),
+    ):
+        with pytest.raises(DraftsmithError, match=want):
+            serve_check(tmp_path / "nothing", "builtin:code-holdout", tmp_path / "out", **flags)
+        assert not (tmp_path / "out").exists()
 
 
 def test_serve_check_cli_without_vllm_says_how_to_install(tmp_path, monkeypatch, capsys):
