@@ -1,5 +1,6 @@
-"""`draftsmith compare`: N drafters x M holdouts in one process, on the same prompts, with the
-target-only baseline measured once per holdout -> compare.json, compare.md, compare.png.
+"""`draftsmith compare`: N drafters x M holdouts in one process, on the same prompts, interleaved as
+the eval stage's rows are: every timing run decodes each prompt target-only and then with each drafter,
+the drafters' order rotated between runs -> compare.json, compare.md, compare.png.
 
 A drafter is anything `eval/drafters.py resolve` resolves: a trained drafter folder, a layer-skip folder
 (`draftsmith layerskip`), `none`, `ngram`, `lookahead`, `hybrid:PATH` or `cascade:LOW,MID`; a trained
@@ -17,32 +18,60 @@ from pathlib import Path
 
 from draftsmith import DraftsmithError
 from draftsmith.eval.config import EvalConfig
-from draftsmith.eval.drafters import parse_drafter, resolve
+from draftsmith.eval.drafters import Resolved, parse_drafter, resolve
 from draftsmith.eval.report import LOSSLESS_NOTE, lossless_cell, speedup_cell
-from draftsmith.eval.run import evaluate, target_baseline
+from draftsmith.eval.run import Decoded, decode_rows, eval_report
 
 
 def compare(
-    drafters: list[str], holdouts: list[str], target, tok, out: Path | None, cfg: EvalConfig, **options
+    drafters: list[str],
+    holdouts: list[str],
+    target,
+    tok,
+    out: Path | None,
+    cfg: EvalConfig,
+    *,
+    target_name: str = "",
+    **options,
 ) -> list[dict]:
     """Every drafter spec on every holdout, in the eval stage's settings `cfg` (its tree for every
-    drafter that builds trees; a spec's own `@TREE` wins). options: evaluate's (target_name, batch_sizes)."""
+    drafter that builds trees; a spec's own `@TREE` wins), decoded by `decode_rows` with every row's
+    own adaptive run and batch-size curve and the rows' order rotated between timing runs: in each run
+    every row divides by the target-only decode timed just before it on the same prompt, and no drafter
+    always runs first (a baseline timed once before all drafters drifts with the host, and a fixed order
+    favours one position). options: decode_rows' (batch_sizes, kernels, split, adaptive_costs)."""
     if not drafters or not holdouts:
         raise DraftsmithError("compare: give at least one --drafter and one --data")
-    loaded = [(parse_drafter(spec)[0], resolve(spec, target)) for spec in drafters]
+    loaded = [(parse_drafter(spec)[0], with_tree(resolve(spec, target), cfg.tree)) for spec in drafters]
+    run = replace(cfg, tree=None)  # each drafter carries its tree (with_tree)
     reports = []
     for holdout in holdouts:
-        shared = target_baseline(target, tok, holdout, cfg)  # target-only, once per holdout
-        for path, drafter in loaded:
-            trees = drafter.proposer is not None and drafter.proposer.drafts_trees
-            run = replace(cfg, tree=cfg.tree if trees else None)
-            # A drafter verified by its own trained backbone (Medusa-2) needs that backbone's baseline.
-            baseline = shared if drafter.verifier is target else None
-            r = evaluate(drafter, tok, holdout, None, run, baseline=baseline, **options)
-            reports.append({**r, "drafter_path": path})
+        decoded: dict[int, Decoded] = {}
+        for group in verifier_groups([d for _, d in loaded]):
+            rows = decode_rows([loaded[i][1] for i in group], tok, holdout, run, every_row=True, **options)
+            decoded.update(zip(group, rows))
+        for i, (path, _) in enumerate(loaded):
+            reports.append({**eval_report(decoded[i], holdout, run, target_name=target_name), "drafter_path": path})
     if out is not None:
         write_compare(reports, Path(out))
     return reports
+
+
+def with_tree(drafter: Resolved, tree: str | None) -> Resolved:
+    """The drafter with the run's `--tree` where it builds trees and has no `@TREE` of its own; a chain
+    drafter keeps none, so one tree for the run does not refuse the n-gram row beside it."""
+    trees = drafter.proposer is not None and drafter.proposer.drafts_trees
+    return drafter._replace(tree=drafter.tree or tree) if trees else drafter
+
+
+def verifier_groups(drafters: list[Resolved]) -> list[list[int]]:
+    """The drafters' indices grouped by the model that verifies them, in order of first appearance: a
+    drafter verified by its own trained backbone (Medusa-2) is timed against that backbone's
+    target-only decode, so it is interleaved with the drafters of that backbone only."""
+    groups: dict[int, list[int]] = {}
+    for i, d in enumerate(drafters):
+        groups.setdefault(id(d.verifier), []).append(i)
+    return list(groups.values())
 
 
 def compare_table(reports: list[dict]) -> str:
@@ -85,6 +114,17 @@ def curve_tables(reports: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def timing_words(runs: int) -> str:
+    """How compare.md's speedups were timed, so that a reader knows they are paired and how often."""
+    paired = "every prompt decoded target-only, then with each drafter verified by the same model"
+    if runs == 1:
+        return f"One timing run: {paired}, so each speedup divides by a target-only run timed beside it."
+    return (
+        f"{runs} timing runs, each with {paired} (the drafters' order rotated between runs); each speedup is "
+        "the median run's, min-max beside it."
+    )
+
+
 def write_compare(reports: list[dict], out: Path) -> None:
     import matplotlib
 
@@ -97,7 +137,8 @@ def write_compare(reports: list[dict], out: Path) -> None:
     r0 = reports[0]
     (tmp / "compare.md").write_text(
         f"# draftsmith compare\n\nTarget `{r0['target']}`, up to {r0['num_prompts']} prompts per holdout, temperature "
-        f"{r0['temperature']}, batch size 1, one process; measured on {r0.get('device_name')} ({r0.get('dtype')}).\n\n"
+        f"{r0['temperature']}, batch size 1, one process; measured on {r0.get('device_name')} ({r0.get('dtype')}). "
+        f"{timing_words(len(r0['speedup_runs']))}\n\n"
         + compare_table(reports)
         + "\n\n"
         + LOSSLESS_NOTE

@@ -225,14 +225,56 @@ def decode_holdout(
     beside: a second drafter verified by the same model, decoded on each prompt right after the first
     (target-only, drafter, beside), so both speedups divide by one target-only run timed beside them
     both (the eval stage's `eval.lookup` row) -> `Decoded.beside`; it gets no adaptive run or curve."""
-    if beside is not None and beside.verifier is not drafter.verifier:
-        raise DraftsmithError(f"eval: '{beside.label}' is verified by another model than '{drafter.label}'")
-    # The batch-size curve is the first drafter's only.
-    shapes = [
-        (d, draft_shape(d, cfg, batch_sizes if d is drafter else None)) for d in (drafter, beside) if d is not None
-    ]
-    runs = [_Run(d, *shape) for d, shape in shapes]
-    target, proposer, (k, spec) = drafter.verifier, drafter.proposer, (runs[0].k, runs[0].spec)
+    rows = decode_rows(
+        [d for d in (drafter, beside) if d is not None],
+        tok,
+        holdout,
+        cfg,
+        baseline=baseline,
+        kernels=kernels,
+        batch_sizes=batch_sizes,
+        split=split,
+        adaptive_costs=adaptive_costs,
+    )
+    if beside is not None:
+        rows[0].beside = rows[1]
+    return rows[0]
+
+
+def rotated(rows: list, i: int) -> list:
+    """`rows` started at row i (mod their count): timing run i's order when the rows rotate, so that no
+    row is always the one decoded right after target-only (its caches warm) or always the last."""
+    j = i % len(rows)
+    return rows[j:] + rows[:j]
+
+
+def decode_rows(
+    drafters: list[Resolved],
+    tok,
+    holdout: str,
+    cfg: EvalConfig,
+    *,
+    baseline: list[tuple[list[int], float]] | None = None,
+    kernels: bool = True,
+    batch_sizes: list[int] | None = None,
+    split: str = "train",
+    adaptive_costs: AdaptiveCosts | None = None,
+    every_row: bool = False,
+) -> list[Decoded]:
+    """Drafters verified by one model, interleaved: in each of the cfg.timing_runs runs every holdout
+    prompt is decoded target-only (the first run: unless `baseline` has it), then by each drafter, so
+    every row divides by a target-only run timed beside it (a baseline timed once before several
+    drafters drifts with the host, docs/benchmarks.md); acceptance is counted on the first run only.
+    every_row False (`decode_holdout`: a drafter and its `beside` row): the rows keep their order in
+    every run, and only the first gets the adaptive run and the batch-size curve. True (`draftsmith
+    compare`): each row gets both, and run i decodes the rows in `rotated(rows, i)` order.
+    -> one Decoded per drafter, in their order."""
+    for d in drafters[1:]:
+        if d.verifier is not drafters[0].verifier:
+            raise DraftsmithError(f"eval: '{d.label}' is verified by another model than '{drafters[0].label}'")
+    sectioned = len(drafters) if every_row else 1  # rows [0, sectioned) get the adaptive run and the curve
+    runs = [_Run(d, *draft_shape(d, cfg, batch_sizes if i < sectioned else None)) for i, d in enumerate(drafters)]
+    target = drafters[0].verifier
     prompts = [
         encode_prompt(tok, p, thinking_kwargs(cfg.thinking)) for p in load_prompts(holdout, cfg.num_prompts, split)
     ]
@@ -243,51 +285,28 @@ def decode_holdout(
         """None = greedy; otherwise one warping shared by target and drafter (lossless sampling)."""
         return Sampler(cfg.temperature, cfg.top_p, seed, device) if cfg.temperature > 0 else None
 
-    ref_s, ref_tokens, refs = 0.0, 0, []
-    # Only a chain drafter that says how sure it is gets the calibration and adaptive sections.
-    confident = proposer is not None and proposer.drafts_confidence and spec is None and k > 0
-    adaptive = None
     modules = [m for r in runs for m in proposer_modules(r.drafter.proposer)]
     # Target and drafter decode on the fastest kernels of the machine (draftsmith/util/kernels.py), the
     # target-only baseline included, so the speedup compares like with like.
     with packed_linears(target, *modules, enabled=kernels):
-        # Warm up every path once so one-time allocation costs do not bias the first timing.
-        target_decode(target, prompts[0][:8], max_new_tokens, eos, sampler(0))
-        for r in runs:
-            speculative_decode(
-                target, r.drafter.proposer, prompts[0][:8], r.k, max_new_tokens, eos, sampler(0), tree=r.spec
-            )
-        for r in runs:
-            if r.drafter.proposer is not None:  # a proposer's own counters (a cascade's levels) skip the warm-up
-                r.drafter.proposer.reset_stats()
-        for n, prompt in enumerate(tqdm(prompts, desc=f"eval {drafter.label}")):
-            ref, s_ref = (
-                baseline[n] if baseline else timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
-            )
-            ref_s, ref_tokens = ref_s + s_ref, ref_tokens + len(ref)
-            refs.append(ref)
-            for r in runs:
-                r.decode(target, prompt, ref, max_new_tokens, eos, sampler(n))
+        warm_up(target, runs, prompts[0][:8], max_new_tokens, eos, sampler)
+        # Run 0 starts at row 0 whether the rows rotate or not: `rotated(runs, 0)` is `runs`.
+        ref_s, ref_tokens, refs = first_run(target, runs, prompts, baseline, max_new_tokens, eos, sampler)
         # Before the adaptive run and the timing runs add to them.
         own = [r.drafter.proposer.stats() if r.drafter.proposer is not None else {} for r in runs]
-        more = [timing_run(target, runs, prompts, max_new_tokens, eos, sampler) for _ in range(cfg.timing_runs - 1)]
-        if confident:
-            adaptive = adaptive_section(
-                target,
-                proposer,
-                prompts,
-                refs,
-                runs[0].stats,
-                ref_tokens / ref_s,
-                k,
-                max_new_tokens,
-                eos,
-                sampler,
-                adaptive_costs,
-            )
-    curve = None
-    if batch_sizes:
-        curve = batch_curve(target, tok, fresh_copies(proposer), prompts, batch_sizes, k, max_new_tokens, eos, kernels)
+        more = later_runs(target, runs, prompts, max_new_tokens, eos, sampler, cfg.timing_runs, every_row)
+        adaptive = [
+            adaptive_run(target, r, prompts, refs, ref_tokens / ref_s, max_new_tokens, eos, sampler, adaptive_costs)
+            for r in runs[:sectioned]
+        ]
+    curves = [
+        batch_curve(
+            target, tok, fresh_copies(r.drafter.proposer), prompts, batch_sizes, r.k, max_new_tokens, eos, kernels
+        )
+        if batch_sizes
+        else None
+        for r in runs[:sectioned]
+    ]
     common = dict(
         num_prompts=len(prompts),
         target_seconds=ref_s,
@@ -295,12 +314,66 @@ def decode_holdout(
         dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
         device=device,
     )
-    decoded = runs[0].decoded(own[0], adaptive=adaptive, batch_curve=curve, **common)
-    decoded.more_runs = [(t_tokens, t_s, *rows[0]) for t_tokens, t_s, rows in more]
-    if beside is not None:
-        decoded.beside = runs[1].decoded(own[1], adaptive=None, batch_curve=None, **common)
-        decoded.beside.more_runs = [(t_tokens, t_s, *rows[1]) for t_tokens, t_s, rows in more]
+    adaptive += [None] * (len(runs) - sectioned)  # the rows past `sectioned` get neither section
+    curves += [None] * (len(runs) - sectioned)
+    decoded = []
+    for i, (r, mine, a, curve) in enumerate(zip(runs, own, adaptive, curves)):
+        decoded.append(r.decoded(mine, adaptive=a, batch_curve=curve, **common))
+        decoded[-1].more_runs = [(t_tokens, t_s, *rows[i]) for t_tokens, t_s, rows in more]
     return decoded
+
+
+def warm_up(target, runs: list[_Run], prompt: list[int], max_new_tokens: int, eos: set[int], sampler) -> None:
+    """Decode `prompt` once target-only and once by each row, so one-time allocation costs do not bias
+    the first timing; a proposer's own counters (a cascade's levels) then forget the warm-up."""
+    target_decode(target, prompt, max_new_tokens, eos, sampler(0))
+    for r in runs:
+        speculative_decode(target, r.drafter.proposer, prompt, r.k, max_new_tokens, eos, sampler(0), tree=r.spec)
+    for r in runs:
+        if r.drafter.proposer is not None:
+            r.drafter.proposer.reset_stats()
+
+
+def first_run(
+    target, runs: list[_Run], prompts, baseline, max_new_tokens: int, eos: set[int], sampler
+) -> tuple[float, int, list[list[int]]]:
+    """The counted run: each prompt decoded target-only (or taken from `baseline`), then by each row in
+    the order given, each row's output checked against the target-only one and its acceptance counted
+    (`_Run.decode`) -> (target-only seconds, target-only tokens, target-only outputs)."""
+    ref_s, ref_tokens, refs = 0.0, 0, []
+    for n, prompt in enumerate(tqdm(prompts, desc=f"eval {runs[0].drafter.label}")):
+        ref, s_ref = baseline[n] if baseline else timed(target_decode, target, prompt, max_new_tokens, eos, sampler(n))
+        ref_s, ref_tokens = ref_s + s_ref, ref_tokens + len(ref)
+        refs.append(ref)
+        for r in runs:
+            r.decode(target, prompt, ref, max_new_tokens, eos, sampler(n))
+    return ref_s, ref_tokens, refs
+
+
+def later_runs(
+    target, runs: list[_Run], prompts, max_new_tokens: int, eos: set[int], sampler, count: int, rotate: bool
+) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """Timing runs 1 .. count-1 (`timing_run`), run i in the order `rotated(runs, i)` when `rotate`, else
+    in `runs` order -> per run (target tokens, target seconds, [(tokens, seconds)] in `runs` order)."""
+    more = []
+    for i in range(1, count):
+        j = i if rotate else 0  # the row run i starts at
+        t_tokens, t_s, rows = timing_run(target, rotated(runs, j), prompts, max_new_tokens, eos, sampler)
+        more.append((t_tokens, t_s, rotated(rows, -j)))  # rows in run i's order, turned back by j
+    return more
+
+
+def adaptive_run(
+    target, r: _Run, prompts, refs, target_tps: float, max_new_tokens: int, eos: set[int], sampler, costs
+) -> dict | None:
+    """`adaptive_section` of row r, where it applies: only a chain drafter that says how sure it is
+    (`drafts_confidence`) gets the calibration and adaptive sections; None otherwise."""
+    proposer = r.drafter.proposer
+    if proposer is None or not proposer.drafts_confidence or r.spec is not None or r.k <= 0:
+        return None
+    return adaptive_section(
+        target, proposer, prompts, refs, r.stats, target_tps, r.k, max_new_tokens, eos, sampler, costs
+    )
 
 
 def timing_run(

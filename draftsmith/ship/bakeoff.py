@@ -17,11 +17,11 @@ measured and reported beside it. Then every drafter on every `--data` domain:
 
 Written to OUT: bakeoff.json (every measurement, the hardware, dtype and vLLM version), bakeoff.md
 (one table: τ and speedup per domain and concurrency, and the geometric mean of the speedups across
-domains at each concurrency; the best of each column in bold), bakeoff.png (that geomean against
-concurrency, one line per drafter) and deploy/vllm.json: `serve-check --deploy-k` of the drafter with
-the best geomean speedup at concurrency 1 among those vLLM served and whose check passed, on the first
-domain — the K fastest at each concurrency as vLLM's per-batch-size schedule, read back by vLLM's own
-config code and served once with it (ship/deploy.py).
+domains at each concurrency; in bold the best of each column among one engine's passed rows),
+bakeoff.png (that geomean against concurrency, one line per drafter) and deploy/vllm.json:
+`serve-check --deploy-k` of the drafter with the best geomean speedup at concurrency 1 among those
+vLLM served and whose check passed, on the first domain — the K fastest at each concurrency as vLLM's
+per-batch-size schedule, read back by vLLM's own config code and served once with it (ship/deploy.py).
 """
 
 from __future__ import annotations
@@ -296,7 +296,15 @@ def deploy_best(rows: list[dict], drafters: list[Drafter], domain: str, out: Pat
     shutil.copytree(Path(r["deploy"]["path"]).parent, tmp)
     shutil.rmtree(out / "deploy", ignore_errors=True)
     tmp.replace(out / "deploy")
-    keep = ("speculative_config", "fastest_k", "target_tokens_per_s", "spec_tokens_per_s", "vllm_reads", "served")
+    keep = (
+        "speculative_config",
+        "chosen_k",
+        "runs",
+        "target_tokens_per_s",
+        "spec_tokens_per_s",
+        "vllm_reads",
+        "served",
+    )
     return {
         "path": str(out / "deploy" / "vllm.json"),
         "drafter": best["drafter"],
@@ -420,16 +428,35 @@ def _trained(row: dict) -> str:
     return f"{row['steps']} steps{took}" + ("" if row["recipe"] else " (given)")
 
 
+def best_cells(rows: list[dict], cols: list[tuple[str, str, list[float]]]) -> set[tuple[int, int]]:
+    """(row, column) of every bold cell: in each column, the largest value (ties too) among the rows of
+    one engine whose check passed. A failed row is never crowned (its figures are not the ones a check
+    stood behind), nor compared across engines (vLLM's speedups and draftsmith's engine's are measured
+    against different target-only runs), and an engine with one passed row has no rival to beat."""
+    best: set[tuple[int, int]] = set()
+    for engine in dict.fromkeys(row["engine"] for row in rows):
+        mine = [i for i, row in enumerate(rows) if row["engine"] == engine and row["passed"]]
+        if len(mine) < 2:
+            continue
+        for j, (_, _, xs) in enumerate(cols):
+            top = max(xs[i] for i in mine)
+            best |= {(i, j) for i in mine if xs[i] == top}
+    return best
+
+
 def table(r: dict) -> str:
     """One row per drafter: τ and speedup per domain and concurrency, then the geomean across domains;
-    the best value of each measured column in bold."""
+    in bold, the best of each measured column among the passed rows of one engine (`best_cells`)."""
     cols = measured_columns(r)
+    best = best_cells(r["rows"], cols)
     lines = [
         "| drafter | family | engine | trained | " + " | ".join(head for head, _, _ in cols) + " |",
         "|---|---|---|---|" + "---|" * len(cols),
     ]
     for i, row in enumerate(r["rows"]):
-        shown = [fmt.format(xs[i]) if xs[i] != max(xs) else f"**{fmt.format(xs[i])}**" for _, fmt, xs in cols]
+        shown = [
+            f"**{fmt.format(xs[i])}**" if (i, j) in best else fmt.format(xs[i]) for j, (_, fmt, xs) in enumerate(cols)
+        ]
         lines.append(f"| {row['drafter']} | {row['family']} | {_engine(row)} | {_trained(row)} | {' | '.join(shown)} |")
     return "\n".join(lines)
 
@@ -486,7 +513,8 @@ def deploy_lines(d: dict) -> list[str]:
         "",
         f'Serve with `vllm serve {d["served_target"]} --speculative-config "$(cat {d["path"]})"`.',
         "",
-        f"K fastest per concurrency: {d['fastest_k']} (0: the target alone was faster). vLLM's own config code "
+        f"K chosen per concurrency: {d['chosen_k']} (from {d['runs']} interleaved runs: a K only where its slowest run "
+        "beats the target alone's and the smaller K's fastest; 0: the target alone). vLLM's own config code "
         f"reads it as K {reads['k_per_batch_size']} for batch sizes 1..{len(reads['k_per_batch_size'])}. Served "
         "with it, vLLM drafted "
         + ", ".join(
@@ -508,7 +536,8 @@ def markdown(r: dict) -> str:
             "Speedup at c: tokens/s with the drafter over tokens/s of the target alone, in the same engine at the "
             "same concurrency c (vLLM: concurrent requests; draftsmith's engine: batch size). τ: tokens per verification "
             "pass, the bonus token included (vLLM's counters in vLLM rows). Geomean: the geometric mean of the "
-            "speedups across domains. Bold: the best of each column.",
+            "speedups across domains. Bold: the best of each column among the rows of one engine whose check passed "
+            "(an engine with one such row has none).",
             "",
             table(r),
             "",

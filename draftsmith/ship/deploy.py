@@ -203,7 +203,7 @@ def curve(
     concurrency (draft tokens per draft, from its counters)."""
     serving = drafter_family(config["draftsmith"]["drafter"]).vllm_serving
     assert serving is not None and run.spec is not None  # decode_both served this family's export
-    speculative = {}
+    speculative: dict[int, dict] = {}
     for k in sorted({*ks, run.k}):
         spec = serving(run.export_dir.resolve(), config, k)[0]
         speculative.setdefault(spec["num_speculative_tokens"], spec)  # Medusa drafts its heads whatever K asks
@@ -256,7 +256,7 @@ def interleaved_runs(
 def drafted_k(run: Served, speculative: dict, max_new_tokens: int, concurrency: list[int]) -> dict:
     """vLLM serving the prompts with `speculative` at each concurrency -> {concurrency: {tokens_per_s,
     draft_tokens_per_draft (the K it drafted, averaged over its drafting steps; 0: it did not draft)}}."""
-    got = {}
+    got: dict[int, dict] = {}
     with vllm_server.serve(run.served, speculative=speculative, **(run.serve_kwargs or {})) as server:
         vllm_server.complete(server, run.prompts[0][:8], 4)  # warm-up
         for c in concurrency:

@@ -1,6 +1,9 @@
-"""`draftsmith compare`: drafters x holdouts in one table, one target-only baseline per holdout."""
+"""`draftsmith compare`: drafters x holdouts in one table; every timing run decodes each prompt
+target-only, then with each drafter, the drafters' order rotated between runs."""
 
 import json
+import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -225,3 +228,58 @@ def test_block_drafters_run_in_compare_the_batch_curve_and_the_hybrid_like_any_d
         resolve("ngram@k=0", None)
     assert "\n" not in str(e.value)
     assert all([c["batch_size"] for c in r["batch_curve"]] == [1, 2] for r in reports)
+
+
+def test_every_timing_run_decodes_each_prompt_target_only_then_each_drafter_in_a_rotated_order(
+    tiny_target, chat_jsonl, monkeypatch
+):
+    """The call order, recorded: per prompt, target-only first and then every drafter, in every run,
+    the first included; run i starts at drafter i (mod 3). On a fake clock (target-only 1 s a prompt,
+    each drafter its own seconds) every run of a row reads that row's speedup, so no run's timings land
+    on another row."""
+    from draftsmith.data.load import encode_prompt, load_prompts, thinking_kwargs
+    from draftsmith.eval import run as eval_run
+    from draftsmith.eval.compare import compare, compare_table
+    from draftsmith.eval.config import EvalConfig
+
+    target, tok = tiny_target
+    calls: list[tuple[str, tuple[int, ...], bool]] = []  # (who, prompt, whether it counts acceptance)
+    real_target, real_speculative = eval_run.target_decode, eval_run.speculative_decode
+    seconds = {"target": 1.0, "NgramProposer k=3": 0.25, "NgramProposer k=2": 0.5, "NoneType k=0": 2.0}
+
+    def target_only(target, prompt, *args, **kwargs):
+        calls.append(("target", tuple(prompt), False))
+        return real_target(target, prompt, *args, **kwargs)
+
+    def speculative(target, proposer, prompt, k, *args, **kwargs):  # a row is known by its proposer and k
+        stats = args[3] if len(args) > 3 else kwargs.get("stats")  # after max_new, eos, sampler
+        calls.append((f"{type(proposer).__name__} k={k}", tuple(prompt), stats is not None))
+        return real_speculative(target, proposer, prompt, k, *args, **kwargs)
+
+    def clock(fn, *args, **kwargs):  # the decode, then the seconds of whoever `fn` just recorded
+        return fn(*args, **kwargs), seconds[calls[-1][0]]
+
+    monkeypatch.setattr(eval_run, "target_decode", target_only)
+    monkeypatch.setattr(eval_run, "speculative_decode", speculative)
+    monkeypatch.setattr(eval_run, "timed", clock)
+    specs, cfg = ["ngram", "ngram@k=2", "none"], EvalConfig(k=3, num_prompts=2, max_new_tokens=6, timing_runs=3)
+    three = compare(specs, [str(chat_jsonl)], target, tok, None, cfg)
+    rows = ["NgramProposer k=3", "NgramProposer k=2", "NoneType k=0"]
+    prompts = [tuple(encode_prompt(tok, p, thinking_kwargs(cfg.thinking))) for p in load_prompts(str(chat_jsonl), 2)]
+    warm = [(name, prompts[0][:8], False) for name in ["target", *rows]]  # each path once before any timing
+    # Run i: each prompt target-only, then the drafters from drafter i on; only run 0 counts acceptance.
+    runs = [
+        [(name, p, i == 0 and name != "target") for p in prompts for name in ["target", *rows[i:], *rows[:i]]]
+        for i in range(3)
+    ]
+    assert calls == warm + runs[0] + runs[1] + runs[2]
+
+    one = compare(specs, [str(chat_jsonl)], target, tok, None, replace(cfg, timing_runs=1))
+    for r3, r1, row in zip(three, one, rows):
+        for key in ("tau", "per_position", "new_tokens", "acceptance_rate", "lossless"):
+            assert r3[key] == r1[key], key
+        # Every run of this row divides its own seconds by target-only's (each run decodes the same tokens).
+        spec_tps = r3["new_tokens"] / (2 * seconds[row])  # 2 prompts
+        assert r3["speedup_runs"] == [round(spec_tps / r3["target_tokens_per_s"], 3)] * 3, row
+        assert r3["speedup"] == statistics.median(r3["speedup_runs"]) and r1["speedup_runs"] == [r1["speedup"]]
+    assert "(0.50-0.50x, 3 runs) |" in compare_table(three).splitlines()[4]  # `none`: 1 s against 2 s

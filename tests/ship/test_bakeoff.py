@@ -148,7 +148,8 @@ def test_bakeoff_trains_serves_falls_back_and_writes_table_plot_and_deploy_confi
             xs = [bk.speedup_at(x, c) for x in r["cells"] if x["drafter"] == row["drafter"]]
             assert row["geomean_speedup"][i]["speedup"] == pytest.approx(math.prod(xs) ** (1 / len(xs)), abs=1e-3)
 
-    # The table: every measured cell as bakeoff.json has it, the largest of each column (ties too) in bold.
+    # The table: every measured cell as bakeoff.json has it; one row per engine, so none is in bold (a lone
+    # row of an engine has no rival: test_bold_is_the_best_passed_row_of_one_engine).
     header, rows = _cells((out / "bakeoff.md").read_text())
     assert header[:4] == ["drafter", "family", "engine", "trained"] and header[-1] == "geomean c=2"
     assert [row[:3] for row in rows] == [["eagle3-tiny", "eagle3", "vLLM"], ["eagle-tiny", "eagle", "draftsmith"]]
@@ -158,7 +159,7 @@ def test_bakeoff_trains_serves_falls_back_and_writes_table_plot_and_deploy_confi
         for row, value in zip(rows, values):
             shown = row[4 + j]
             assert shown.strip("*") == fmt.format(value), head
-            assert shown.startswith("**") == (value == max(values)), head
+            assert "**" not in shown, head
     # The plot, and the deploy config from the one drafter vLLM served, measured again on the first domain.
     assert (out / "bakeoff.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     d = r["deploy"]
@@ -169,10 +170,9 @@ def test_bakeoff_trains_serves_falls_back_and_writes_table_plot_and_deploy_confi
     )
     config = deploy.read(out / "deploy" / "vllm.json")
     measured = json.loads((out / "deploy" / "measured.json").read_text())
-    best = deploy.fastest_k(
-        {int(c): v for c, v in measured["target_tokens_per_s"].items()},
-        {int(k): {int(c): v for c, v in tps.items()} for k, tps in measured["spec_tokens_per_s"].items()},
-    )
+    runs = {int(k): {int(c): v for c, v in by_c.items()} for k, by_c in measured["tokens_per_s_runs"].items()}
+    best = deploy.choose_k(runs[0], {k: v for k, v in runs.items() if k})  # the rule, on the runs it wrote
+    assert measured["runs"] == 3 and all(len(v) == 3 for by_c in runs.values() for v in by_c.values())
     assert config == d["speculative_config"] and config["method"] == "eagle3"
     assert config[deploy.SCHEDULE_KEY] == deploy.schedule(best) and sorted(measured["spec_tokens_per_s"]) == ["2"]
     assert not list(out.glob("*.tmp")) and not (out / "deploy.tmp").exists()
@@ -186,6 +186,57 @@ def test_a_failed_training_is_one_line_naming_the_recipe_and_its_log(tmp_path):
         str(e.value)
         == f"--drafter {tmp_path}/gone.yaml: training failed ({tmp_path}/gone.yaml: recipe file not found; log {log})"
     )
+
+
+def _bakeoff_result(rows: list[tuple[str, str, bool, float, float]]) -> dict:
+    """A bakeoff.json of one domain at concurrency 1: per row (drafter, engine, passed, τ, speedup)."""
+    return {
+        "data": ["code.jsonl"],
+        "concurrency": [1],
+        "rows": [
+            {
+                "drafter": name,
+                "family": "eagle3",
+                "engine": engine,
+                "passed": passed,
+                "steps": 2,
+                "train_seconds": 1.0,
+                "recipe": "r.yaml",
+                "geomean_speedup": [{"concurrency": 1, "speedup": speedup}],
+            }
+            for name, engine, passed, _, speedup in rows
+        ],
+        "cells": [
+            {
+                "drafter": name,
+                "domain": "code.jsonl",
+                "engine": engine,
+                "tau": tau,
+                "curve": [{"concurrency": 1, "speedup": speedup}],
+            }
+            for name, engine, _, tau, speedup in rows
+        ],
+    }
+
+
+def test_bold_is_the_best_passed_row_of_one_engine():
+    """A failed vLLM row best in every column and a draftsmith-engine row best beside the vLLM rows are
+    neither in bold; among the passed vLLM rows the best of each column is (ties too). A second
+    draftsmith row gives that engine a column best of its own."""
+    rows = [
+        ("a", "vllm", True, 2.5, 1.5),  # best passed vLLM τ
+        ("b", "vllm", True, 2.0, 1.8),  # best passed vLLM speedup
+        ("c", "vllm", False, 3.0, 2.5),  # failed: best of all vLLM rows, never bold
+        ("d", "draftsmith", True, 3.5, 3.0),  # another engine: best of all rows, alone in its engine
+        ("e", "vllm", True, 2.5, 1.0),  # ties a's τ
+    ]
+    header, shown = _cells(bk.table(_bakeoff_result(rows)))
+    assert header[4:] == ["code τ", "code c=1", "geomean c=1"]
+    bold = {(row[0], head) for row in shown for head, cell in zip(header[4:], row[4:]) if cell.startswith("**")}
+    assert bold == {("a", "code τ"), ("e", "code τ"), ("b", "code c=1"), ("b", "geomean c=1")}
+    assert [row[4:] for row in shown][2:4] == [["3.00", "2.50x", "2.50x"], ["3.50", "3.00x", "3.00x"]]
+    _, shown = _cells(bk.table(_bakeoff_result([*rows, ("f", "draftsmith", True, 1.5, 0.9)])))
+    assert shown[3][4:] == ["**3.50**", "**3.00x**", "**3.00x**"] and "**" not in "".join(shown[5])
 
 
 def test_no_deploy_config_without_a_drafter_that_vllm_served_and_passed(tmp_path):
@@ -292,7 +343,7 @@ def test_bakeoff_in_real_vllm_writes_a_deploy_config_vllm_reads_and_serves(tmp_p
     config = deploy.read(out := tmp_path / "out" / "deploy" / "vllm.json")
     assert d["path"] == str(out) and config["method"] == "eagle3"
     # vLLM's own config code read the schedule back as the K chosen at each measured concurrency.
-    assert d["vllm_reads"]["k_per_batch_size"][:2] == [d["fastest_k"][1], d["fastest_k"][2]]
+    assert d["vllm_reads"]["k_per_batch_size"][:2] == [d["chosen_k"][1], d["chosen_k"][2]]
     assert (tmp_path / "out" / "bakeoff.png").is_file() and "Deploy config" in (
         tmp_path / "out" / "bakeoff.md"
     ).read_text()
