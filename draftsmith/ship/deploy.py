@@ -244,7 +244,8 @@ def interleaved_runs(
             servers[k] = stack.enter_context(vllm_server.serve(run.served, speculative=spec, **spec_kw))
         for server in servers.values():
             vllm_server.complete(server, run.prompts[0][:8], 4)  # warm-up: first-request costs stay out
-        order, got = list(servers), {k: {c: [] for c in concurrency} for k in servers}
+        order = list(servers)
+        got: dict[int, dict[int, list[float]]] = {k: {c: [] for c in concurrency} for k in servers}
         for i in range(runs):
             for k in order[i % len(order) :] + order[: i % len(order)]:
                 for c in concurrency:
