@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from draftsmith import DraftsmithError
+from draftsmith.util.calibration import LEVEL, verdict
 
 REPORT_KEYS = (
     "drafter",
@@ -152,6 +153,7 @@ def _calibration(r: dict) -> list[str]:
         f"Expected calibration error {ece} over {cal['n']} verified drafts ({len(cal['bins'])} equal-width bins; "
         "outcome: the draft was accepted, given the drafts before it were). Reliability diagram: reliability.png.",
         "",
+        *_calibration_verdict(cal),
         "| confidence bin | drafts | mean confidence | accepted |",
         "|---|---|---|---|",
         *[
@@ -159,6 +161,20 @@ def _calibration(r: dict) -> list[str]:
             for b in cal["bins"]
             if b["n"]
         ],
+        "",
+    ]
+
+
+def _calibration_verdict(cal: dict) -> list[str]:
+    """The ECE against what true confidences give on as many drafts (draftsmith/util/calibration.py
+    `verdict`), from the report's bins, so reports written before the verdict get it too."""
+    v = verdict(cal)
+    if v["calibrated"] is None:
+        return []
+    word = "calibrated" if v["calibrated"] else "**miscalibrated**"
+    return [
+        f"Verdict: {word}: confidences that were true give an ECE of at most {v['ece_bound']:.3f} on these "
+        f"{cal['n']} drafts ({1 - LEVEL:.0%} of the time, consistency resampling of each bin).",
         "",
     ]
 

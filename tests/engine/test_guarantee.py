@@ -5,6 +5,7 @@ identity count and dtype beside it, and a greedy run that broke the rule is an e
 import json
 
 import pytest
+import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.cli import main
@@ -154,3 +155,61 @@ def test_a_broken_rule_fails_training_after_the_run_is_saved(tiny_target_dir, ch
     assert (tmp_path / "r" / "final" / "model.safetensors").is_file() and (
         tmp_path / "r" / "eval" / "report.md"
     ).is_file()
+
+
+@pytest.fixture
+def untrained_eagle(tiny_target_dir, tmp_path):
+    """An untrained EAGLE head for the tiny target, saved as training saves one: its drafts are nearly
+    always rejected, so every round is one the rule must reject."""
+    from draftsmith.models import eagle
+    from draftsmith.models.folder import save_drafter
+    from draftsmith.target.load import fingerprint, load_target
+
+    target, _ = load_target(str(tiny_target_dir), "float32")
+    torch.manual_seed(0)
+    cfg = eagle.DrafterConfig()
+    meta = {"drafter": "eagle", "drafter_config": {"type": "eagle", **cfg.__dict__}, "target": "tiny"}
+    return save_drafter(
+        eagle.build(cfg, target), tmp_path / "final", {**meta, "target_fingerprint": fingerprint(target)}
+    )
+
+
+def one_wrong_in(every: int, monkeypatch) -> list[int]:
+    """Plant a verifier that follows the rule except once in `every` drafted rounds, where it keeps the
+    first draft although the target's argmax differs (and emits the target's next token after it):
+    one wrong token in `every` rounds. -> the rounds it fired at (filled as the eval runs)."""
+    from draftsmith.engine import speculative
+
+    real, rounds, fired = speculative.verify_tree_greedy, [0], []
+
+    def verify(draft, logits):
+        path, new = real(draft, logits)
+        rounds[0] += bool(draft.tokens)  # drafted rounds only: target-only decoding verifies empty drafts
+        due = rounds[0] >= every * (len(fired) + 1)
+        if due and draft.tokens and not path:
+            fired.append(rounds[0])
+            return [0], [draft.tokens[0], int(logits[1].argmax())]  # row 1: the target after node 0
+        return path, new
+
+    monkeypatch.setattr(speculative, "verify_tree_greedy", verify)
+    return fired
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_planted_verifier_accepting_one_wrong_token_in_200_rounds_breaks_rule_exact(
+    untrained_eagle, tiny_target_dir, chat_jsonl, tmp_path, capsys, monkeypatch, dtype
+):
+    """4 prompts x 64 tokens: 63 drafted rounds of warm-up, then 252 counted; the planted verifier fires
+    at drafted round 200, inside the counted run, once."""
+    args = ["eval", "--drafter", str(untrained_eagle), "--target", str(tiny_target_dir), "--data", str(chat_jsonl)]
+    args += ["--num-prompts", "4", "--max-new-tokens", "64", "--k", "3", "--dtype", dtype]
+    assert main(args + ["--out", str(tmp_path / "unbroken")]) == 0
+    report = json.loads((tmp_path / "unbroken" / "report.json").read_text())
+    assert report["rule_exact"] is True and lossless_cell(report).startswith("yes")
+    fired = one_wrong_in(200, monkeypatch)
+    assert main(args + ["--out", str(tmp_path / "planted")]) == 1
+    assert fired == [200]  # one wrong token, in the counted run of 252 drafted rounds
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "broke the rule (rule_exact false)" in err[0]
+    report = json.loads((tmp_path / "planted" / "report.json").read_text())
+    assert report["rule_exact"] is False and lossless_cell(report).startswith("NO")

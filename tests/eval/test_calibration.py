@@ -13,8 +13,9 @@ from draftsmith.engine.proposers import NgramProposer
 from draftsmith.engine.verify import AdaptiveCosts
 from draftsmith.eval.config import EvalConfig
 from draftsmith.eval.drafters import Resolved
+from draftsmith.eval.report import _calibration as _report_calibration
 from draftsmith.eval.run import evaluate, measure_costs
-from draftsmith.util.calibration import calibration
+from draftsmith.util.calibration import calibration, verdict
 from tests.engine.test_speculative import OracleProposer
 
 
@@ -120,3 +121,53 @@ def test_drafters_without_confidences_get_no_new_sections(one_thread, tiny_targe
     assert "calibration" not in report and "adaptive" not in report
     assert not (tmp_path / "eval" / "reliability.png").exists()
     assert "calibration" not in (tmp_path / "eval" / "report.md").read_text().lower()
+
+
+class Calibrated(OracleProposer):
+    """A confidence head that is true by construction: draft j is the target's greedy token with
+    probability c_j (uniform in [0.15, 0.85], from its own seeded stream, so a shifted copy drafts the
+    same tokens) and says c_j + shift. shift 0 is calibrated; +0.1 is the planted defect."""
+
+    drafts_confidence = True
+
+    def __init__(self, target, shift: float = 0.0):
+        super().__init__(target)
+        self.shift, self.rng = shift, random.Random(0)
+
+    def propose(self, tokens, feats, k, sampler=None):
+        good = super().propose(tokens, feats, k).tokens
+        c = [self.rng.uniform(0.15, 0.85) for _ in good]
+        vocab = self.target.config.vocab_size
+        drafts = [t if self.rng.random() < cj else (t + 1) % vocab for t, cj in zip(good, c)]
+        return Draft.chain(drafts, confidence=[cj + self.shift for cj in c])
+
+
+def _head_calibration(target, tok, holdout, shift: float) -> dict:
+    """The eval's calibration section (eval/run.py `confidence_calibration` over the full-block rounds'
+    verified drafts) for `Calibrated(shift)` on 16 holdout prompts x 64 tokens, chains of 3: ~950 drafts."""
+    from draftsmith.data.load import encode_prompt, load_prompts
+    from draftsmith.engine.speculative import Stats, speculative_decode
+    from draftsmith.eval.run import confidence_calibration
+    from draftsmith.target.load import eos_ids
+
+    stats, head = Stats(k=3), Calibrated(target, shift)
+    for p in load_prompts(holdout, 16):
+        speculative_decode(target, head, encode_prompt(tok, p), 3, 64, eos_ids(target, tok), None, stats)
+    return confidence_calibration(stats)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_planted_confidence_shift_raises_the_ece_by_it_and_is_flagged(one_thread, tiny_target_dir, chat_jsonl, dtype):
+    """Every confidence +0.1 (one bin width, so each bin's drafts move together into the next): the
+    ECE becomes 0.1 give or take the unshifted one (|acc - conf - 0.1| lies within |acc - conf| of
+    0.1 in every bin) and the verdict flips, on the same drafts with the same outcomes."""
+    from draftsmith.target.load import load_target
+
+    target, tok = load_target(str(tiny_target_dir), dtype)
+    clean, shifted = (_head_calibration(target, tok, str(chat_jsonl), shift) for shift in (0.0, 0.1))
+    assert clean["n"] == shifted["n"] > 800
+    assert [b["accuracy"] for b in clean["bins"][:-1]] == [b["accuracy"] for b in shifted["bins"][1:]]
+    assert verdict(clean)["calibrated"] and clean["ece"] < verdict(clean)["ece_bound"] < 0.06
+    assert abs(shifted["ece"] - 0.1) <= clean["ece"] + 1e-4 and not verdict(shifted)["calibrated"]
+    assert "Verdict: calibrated" in "\n".join(_report_calibration({"calibration": clean}))
+    assert "Verdict: **miscalibrated**" in "\n".join(_report_calibration({"calibration": shifted}))

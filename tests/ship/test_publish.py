@@ -475,3 +475,55 @@ def test_eagle31_exports_carry_their_switches_where_vllm_reads_them_and_speculat
         == 1
     )
     assert "exports only as --format speculators" in capsys.readouterr().err and not (tmp_path / "sg").exists()
+
+
+def _moved(real, name: str, step):
+    """The speculators writer, then one weight of the file moved by `step(w)` (an exporter that
+    rounds, scales or mis-copies one value): the realistic partial defect of a weight mapping."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    def writer(drafter, cfg, target, meta, tok, out, info):
+        real(drafter, cfg, target, meta, tok, out, info)
+        state = load_file(out / "model.safetensors")
+        w = state[name].clone()
+        w.view(-1)[0] = step(w.view(-1)[0])
+        assert not torch.equal(w, state[name])  # the file holds the move
+        save_file({**state, name: w}, out / "model.safetensors", metadata={"format": "pt"})
+
+    return writer
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_planted_export_with_one_weight_moved_fails_export_verify(
+    tiny_target_dir, chat_jsonl, tmp_path, capsys, monkeypatch, dtype
+):
+    """One weight of the drafter's one layer moved by 1e-3 moves its logits by 1e-5 (fp32) to 2e-3
+    (bf16), under the logit tolerance (an argmax flips only where an untrained head has a near-tie):
+    the weights read back show it, and the smallest move the file can hold (one float step) too."""
+    import torch
+
+    from draftsmith.models import eagle3
+    from draftsmith.ship.export import export
+    from draftsmith.ship.publish import speculators_line, verify_export
+    from draftsmith.target.load import load_target
+
+    run = _train(
+        tiny_target_dir,
+        chat_jsonl,
+        tmp_path,
+        "eagle3",
+        {"drafter.aux_layers": [0, 1, 2], "drafter.draft_vocab_size": 60},
+    )
+    args = ["export", str(run / "final"), "--format", "speculators", "--out", str(tmp_path / "spec"), "--verify"]
+    assert main(args + ["--target", str(tiny_target_dir), "--data", str(chat_jsonl), "--dtype", dtype]) == 0
+    assert "Weights read back: 15 tensors, identical." in capsys.readouterr().out  # the unbroken export passes
+    target, tok = load_target(str(tiny_target_dir), {"fp32": "float32", "bf16": "bfloat16"}[dtype])
+    real, name = eagle3.EXPORTS["speculators"], "layers.0.self_attn.k_proj.weight"
+    for step in (lambda w: w + 1e-3, lambda w: torch.nextafter(w, torch.tensor(1.0, dtype=w.dtype))):
+        monkeypatch.setitem(eagle3.EXPORTS, "speculators", _moved(real, name, step))
+        out = export(run / "final", target, "speculators", tmp_path / "moved", tok)
+        parity = verify_export(run / "final", out, target, tok, str(chat_jsonl), prompts=1, max_new_tokens=8)
+        assert not parity["passed"] and parity["weight_diff_at"] == "Eagle3Drafter.midlayer.self_attn.k_proj.weight"
+        assert 0 < parity["max_abs_weight_diff"] < 1.01e-3 and parity["max_abs_logit_diff"] <= parity["logit_tolerance"]
+        assert "— they differ from the trained drafter's." in speculators_line(parity)
