@@ -256,12 +256,12 @@ def _swap_d2t(export_dir: Path, tok, pair: str = "eq") -> None:
     `pair[1]` where it means `pair[0]` and back. Rounds that draft neither letter are untouched."""
     from safetensors.torch import load_file, save_file
 
+    from benchmarks.planted_export import swap_d2t
+
     state = load_file(export_dir / "model.safetensors")
-    d2t = state["d2t"]
-    targets = torch.arange(len(d2t)) + d2t  # target id = draft id + d2t[draft id]
-    a, b = (int((targets == tok.convert_tokens_to_ids(c)).nonzero()[0]) for c in pair)
-    targets[a], targets[b] = targets[b].clone(), targets[a].clone()
-    state["d2t"] = (targets - torch.arange(len(d2t))).to(d2t.dtype).contiguous()
+    targets = torch.arange(len(state["d2t"])) + state["d2t"]  # target id = draft id + d2t[draft id]
+    rows = [int((targets == tok.convert_tokens_to_ids(c)).nonzero()[0]) for c in pair]
+    state["d2t"] = swap_d2t(state["d2t"], rows)
     save_file(state, export_dir / "model.safetensors")
 
 
@@ -372,6 +372,7 @@ def test_same_text_verdict_passes_the_head_and_fails_it_perturbed(pattern, train
     holdout = write_pattern_chats(tmp_path / "holdout.jsonl", range(200, 224))
     kw = {"dtype": dtype, "num_prompts": 24, "target_server": server.url if server else None}
     ok = serve_check(final, holdout, tmp_path / "ok", k=3, max_new_tokens=40, **kw)
+    print(dtype, "clean:", json.dumps({key: v for key, v in ok["replay"].items() if "per_position" not in key}))
     assert ok["passed"], ok["why"]
     assert ok["replay"]["available"] and ok["replay"]["untiled_prompts"] == 0
     target, tok = load_target(str(pattern["target"]), "float32")
