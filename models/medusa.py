@@ -156,6 +156,7 @@ class MedusaHeads(nn.Module):
         for block in self.blocks:
             block.layers = nn.ModuleList(ResBlock(hidden, bias) for _ in range(num_layers))
         object.__setattr__(self, "shared_lm_head", shared_lm_head)  # a plain attribute: not a submodule
+        self.vocab_size = vocab  # what lm_heads map onto: train/optimizer.py keeps them with AdamW, off Muon
         n_own = 0 if shared_lm_head is not None else num_heads
         self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(n_own))
 

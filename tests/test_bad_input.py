@@ -171,3 +171,42 @@ def test_regenerate_refuses_malformed_tool_use_before_loading_a_model(tmp_path, 
     assert line.startswith(f"draftsmith: error: {path}: all 2 records are malformed ({path}:1: 'messages' turn 1")
     assert "'arguments' are not JSON" in line and f"{path}:2: 'messages' turn 1 is a tool result" in line
     assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.muon_lr=-1", "optim.muon_lr must be a finite number >= 0 (0: 10 x optim.lr), got -1.0"),
+        ("optim.lr=-1e-3", "optim.lr must be a finite number > 0, got -0.001"),
+        ("optim.lr=0", "optim.lr must be a finite number > 0, got 0.0"),  # muon's lr ratio divides by it
+        ("optim.lr=inf", "optim.lr must be a finite number > 0, got inf"),
+        ("optim.lr=nan", "optim.lr must be a finite number > 0, got nan"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay must be a finite number >= 0, got -0.1"),
+        ("optim.muon_weight_decay=-1", "optim.muon_weight_decay must be a finite number >= 0, got -1.0"),
+        ("optim.muon_momentum=1", "optim.muon_momentum must be a number in [0, 1), got 1.0"),
+        ("optim.muon_momentum=-0.5", "optim.muon_momentum must be a number in [0, 1), got -0.5"),
+        ("optim.betas=[0.9,1.0]", "optim.betas must be two numbers in [0, 1), as [0.9, 0.95], got (0.9, 1.0)"),
+        ("optim.betas=[0.9]", "optim.betas must be two numbers in [0, 1), as [0.9, 0.95], got (0.9,)"),
+        ("optim.epochs=0", "optim.epochs must be a finite number > 0, got 0.0"),  # once: one silent step
+        ("optim.max_steps=-1", "optim.max_steps must be an integer >= 0 (0: from optim.epochs), got -1"),
+        ("optim.warmup_steps=-5", "optim.warmup_steps must be an integer >= 0, got -5"),
+        ("optim.clip_grad=-1", "optim.clip_grad must be a finite number >= 0 (0: no clipping), got -1.0"),
+        ("optim.seed=-1", "optim.seed must be an integer in 0 .. 2**31 - 1, got -1"),
+        ("optim.grad_accum=0", "optim.grad_accum must be an integer >= 1, got 0"),
+        ("optim.batch_size=0", "optim.batch_size must be an integer >= 1, got 0"),
+        ("optim.schedule=step", "optim.schedule must be cosine, linear or constant, got 'step'"),
+        ("optim.optimizer=sgd", "optim.optimizer must be adamw or muon, got 'sgd'"),
+        ("optim.mixed_precision=fp8", "optim.mixed_precision"),
+    ],
+)
+def test_every_optimizer_key_is_checked_when_the_recipe_is_read(override, message, tmp_path, capsys, monkeypatch):
+    """`optim.muon_lr=-1` once ended in torch's traceback ("Learning rate should be >= 0") after the
+    run folder was made, and the folder stayed."""
+    from draftsmith.train import loop
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(loop, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
+    out = tmp_path / "runs"
+    assert main(["train", "recipes/cpu/dflash-smollm2.yaml", override, f"output_dir={out}"]) == 1
+    assert _one_line(capsys).startswith(f"draftsmith: error: recipes/cpu/dflash-smollm2.yaml: {message}")
+    assert not out.exists()

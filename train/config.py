@@ -5,6 +5,7 @@ EvalConfig."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,13 +130,43 @@ def drafter_config(cfg: Config) -> Any:
     return from_dict(family.DrafterConfig, d, "drafter")
 
 
+def _number(value: float, low: float, above: bool = False) -> bool:
+    """Finite and >= low (> low with `above`): nan fails every comparison, inf passes them."""
+    return math.isfinite(value) and (value > low if above else value >= low)
+
+
+def _optim_checks(o: OptimConfig) -> list[tuple[bool, str, str]]:
+    """Every optimizer key, checked when the recipe is read: a value torch refuses (a negative lr, a beta
+    of 1) surfaced as its traceback after the run folder was made, and one it takes silently (an lr of
+    inf, a momentum of 1 or more, epochs <= 0 training one step) not at all."""
+    return [
+        (o.schedule in ("cosine", "linear", "constant"), "optim.schedule", "cosine, linear or constant"),
+        (o.optimizer in ("adamw", "muon"), "optim.optimizer", "adamw or muon"),
+        (o.batch_size >= 1, "optim.batch_size", "an integer >= 1"),
+        (o.grad_accum >= 1, "optim.grad_accum", "an integer >= 1"),
+        (_number(o.epochs, 0, above=True), "optim.epochs", "a finite number > 0"),
+        (o.max_steps >= 0, "optim.max_steps", "an integer >= 0 (0: from optim.epochs)"),
+        (_number(o.lr, 0, above=True), "optim.lr", "a finite number > 0"),
+        (_number(o.muon_lr, 0), "optim.muon_lr", "a finite number >= 0 (0: 10 x optim.lr)"),
+        (_number(o.weight_decay, 0), "optim.weight_decay", "a finite number >= 0"),
+        (_number(o.muon_weight_decay, 0), "optim.muon_weight_decay", "a finite number >= 0"),
+        (0 <= o.muon_momentum < 1, "optim.muon_momentum", "a number in [0, 1)"),
+        (
+            len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+            "optim.betas",
+            "two numbers in [0, 1), as [0.9, 0.95]",
+        ),
+        (o.warmup_steps >= 0, "optim.warmup_steps", "an integer >= 0"),
+        (_number(o.clip_grad, 0), "optim.clip_grad", "a finite number >= 0 (0: no clipping)"),
+        # numpy takes seeds below 2**32, and each rank seeds with seed + rank
+        (0 <= o.seed < 2**31, "optim.seed", "an integer in 0 .. 2**31 - 1"),
+    ]
+
+
 def _validate(cfg: Config, where: str) -> None:
     checks = [
-        (cfg.optim.schedule in ("cosine", "linear", "constant"), "optim.schedule", "cosine, linear or constant"),
-        (cfg.optim.optimizer in ("adamw", "muon"), "optim.optimizer", "adamw or muon"),
+        *_optim_checks(cfg.optim),
         (cfg.tracker in ("none", "wandb", "tensorboard"), "tracker", "none, wandb or tensorboard"),
-        (cfg.optim.batch_size >= 1, "optim.batch_size", "an integer >= 1"),
-        (cfg.optim.grad_accum >= 1, "optim.grad_accum", "an integer >= 1"),
         (cfg.eval.k >= 1, "eval.k", "an integer >= 1"),
         (cfg.eval.timing_runs >= 1, "eval.timing_runs", "an integer >= 1"),
         (cfg.data.max_length >= 8, "data.max_length", "an integer >= 8"),
@@ -143,7 +174,7 @@ def _validate(cfg: Config, where: str) -> None:
     ]
     for ok, key, expected in checks:
         if not ok:
-            raise DraftsmithError(f"{where}: {key} must be {expected}")
+            raise DraftsmithError(f"{where}: {key} must be {expected}, got {_get(cfg, key)!r}")
     if cfg.deepspeed and not Path(cfg.deepspeed).is_file():
         raise DraftsmithError(
             f"{where}: deepspeed: {cfg.deepspeed} is not a file (a DeepSpeed JSON config, "

@@ -1,11 +1,14 @@
 """The optimizer a run trains with (`optim.optimizer`): AdamW over every group, or Muon over the
-drafter's hidden 2-D matrices with AdamW over the rest, stepped as one optimizer.
+drafter's hidden maps with AdamW over the rest, stepped as one optimizer.
 
 Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers"; torch.optim.Muon) orthogonalises
 each matrix's momentum with a few Newton-Schulz steps, so every direction of a weight moves at the
 same rate. speculators trains its block drafters with it by default (after the sweeps of its PR #607):
 Muon over 2-D weights at 10x the base learning rate, AdamW over norms, biases, embeddings and lm_head.
-`optim.muon_lr` 0 keeps that 10x.
+`optim.muon_lr` 0 keeps that 10x. Orthogonalising suits a map between hidden states, not a table whose
+rows are tokens (an embedding, a head onto the vocabulary, DSpark's Markov factors, DFlash2's codebooks:
+each row moves only when its token occurs), so Muon's share is told by what a parameter is
+(`hidden_maps`), not by its name.
 """
 
 from __future__ import annotations
@@ -14,12 +17,10 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from draftsmith import DraftsmithError
-
-# 2-D weights that stay with AdamW: embeddings and output heads are lookups/classifiers whose rows
-# move independently, not hidden maps (Muon's own convention; speculators' `_ADAMW_NAME_HINTS`).
-ADAMW_NAME_HINTS = ("embed", "lm_head")
 
 
 class Muon(torch.optim.Muon):
@@ -78,9 +79,64 @@ def rms_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
     return 0.2 * math.sqrt(max(rows, cols)) if adjust_lr_fn == "match_rms_adamw" else math.sqrt(max(1, rows / cols))
 
 
-def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
-    """Does Muon update `p`: a 2-D matrix (both sides > 1) that is not an embedding or head."""
-    return p.ndim == 2 and min(p.shape) > 1 and not any(h in name for h in ADAMW_NAME_HINTS)
+def map_widths(module: nn.Module) -> tuple[int, int] | None:
+    """(input, output) widths of a module that is a linear map x -> W x, else None: nn.Linear, and
+    transformers' Conv1D (GPT-2-style students: a Linear stored as [in, out])."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):
+        return module.weight.shape[0], module.nf
+    return None
+
+
+def vocab_sizes(drafter: nn.Module) -> set[int]:
+    """The vocabularies (target's, draft) the drafter's tables are indexed by and its heads map onto,
+    read from what its modules are: a `vocab_size` of a module or of its `config` (the backbone config
+    the block drafters and students carry; Medusa's heads declare their own), the rows of every
+    nn.Embedding, and the length of every token map (a 1-D integer or boolean buffer: d2t, t2d,
+    Medusa's token_map)."""
+    sizes: set[int] = set()
+    for m in drafter.modules():
+        for owner in (m, getattr(m, "config", None)):
+            size = getattr(owner, "vocab_size", None)
+            if isinstance(size, int) and not isinstance(size, bool):
+                sizes.add(size)
+        if isinstance(m, nn.Embedding):
+            sizes.add(m.num_embeddings)
+        sizes |= {len(b) for b in m.buffers(recurse=False) if b.ndim == 1 and not b.is_floating_point()}
+    return sizes
+
+
+def check_heads_told_apart(drafter: nn.Module, vocab: set[int]) -> None:
+    """A map whose output width is a vocabulary size is a head onto it; that holds only while no map
+    reads a hidden state of that width too (a draft vocabulary equal to the hidden size: then q_proj and
+    the head have one shape). Refused rather than guessed."""
+    widths = [w for m in drafter.modules() if (w := map_widths(m)) is not None]
+    clash = sorted(vocab & {w[0] for w in widths} & {w[1] for w in widths})
+    if clash:
+        raise DraftsmithError(
+            f"optim.optimizer: muon keeps the drafter's vocabulary heads with AdamW by their width, but the "
+            f"vocabulary size {clash[0]} is also a hidden width of this drafter (drafter.draft_vocab_size "
+            "equal to a hidden size?); pick another drafter.draft_vocab_size or use optim.optimizer=adamw"
+        )
+
+
+def hidden_maps(drafter: nn.Module) -> set[int]:
+    """ids of the parameters Muon updates: the weight of every linear map between hidden states (a
+    matrix, both sides > 1, neither a vocabulary size). With AdamW stay what is no hidden map, whatever
+    its name: nn.Embedding tables, heads onto a vocabulary (lm_head, DSpark's markov_w2), 2-D parameters
+    of other modules (DFlash2's codebooks, indexed by token id), norms, biases, vectors. A weight tied
+    to a table (a student's lm_head) is a table."""
+    vocab = vocab_sizes(drafter)
+    check_heads_told_apart(drafter, vocab)
+    maps: set[int] = set()
+    tables: set[int] = set()
+    for m in drafter.modules():
+        widths = map_widths(m)
+        for name, p in m.named_parameters(recurse=False):
+            hidden = widths is not None and name == "weight" and min(widths) > 1 and not vocab & set(widths)
+            (maps if hidden else tables).add(id(p))
+    return maps - tables
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -135,14 +191,15 @@ def build_optimizer(drafter: torch.nn.Module, groups: list[dict], optim) -> torc
     their own "lr", possibly more keys such as Medusa-2's "start_step", kept on both sides).
 
     With muon, each group splits into its hidden matrices (at lr x muon_lr / optim.lr, so a family's own
-    lr ratios hold) and the rest (at its lr): matrices are told by their name in the drafter."""
+    lr ratios hold) and the rest (at its lr): what goes to Muon is told by what each parameter is
+    (`hidden_maps`), not by its name."""
 
     def adamw(groups):
         return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
 
     if optim.optimizer == "adamw":
         return adamw(groups)
-    matrices = {id(p) for n, p in drafter.named_parameters() if is_hidden_matrix(n, p)}
+    matrices = hidden_maps(drafter)
     scale = (optim.muon_lr or 10 * optim.lr) / optim.lr
     muon_groups, adamw_groups = [], []
     for g in groups:
