@@ -310,8 +310,6 @@ def test_planted_export_defects_fail_round_by_round(pattern, trained, target_ser
     r = _check(pattern, target_server, broken, tmp_path / "sc", drafter=final)
     assert r["loaded"] and r["identical_to_target_only"]  # lossless still: only acceptance suffers
     p = r["replay"]
-    print(f"planted {how}:", json.dumps({key: p[key] for key in ("rounds", "rounds_differing", "rounds_clear")}))
-    print(f"planted {how}: prompts", [(d["prompt"], d["clear"]) for d in p["differing_prompts"]], p["tau_diff"])
     assert not r["passed"] and "rounds on vLLM's own text accepted another count" in r["why"], json.dumps(p)
     assert p["rounds_clear"] >= 1 and p["differing_prompts"]
     if how == "rows":
@@ -373,7 +371,6 @@ def test_same_text_verdict_passes_the_head_and_fails_it_perturbed(pattern, train
     holdout = write_pattern_chats(tmp_path / "holdout.jsonl", range(200, 224))
     kw = {"dtype": dtype, "num_prompts": 24, "target_server": server.url if server else None}
     ok = serve_check(final, holdout, tmp_path / "ok", k=3, max_new_tokens=40, **kw)
-    print(dtype, "clean:", json.dumps({key: v for key, v in ok["replay"].items() if "per_position" not in key}))
     assert ok["passed"], ok["why"]
     assert ok["replay"]["available"] and ok["replay"]["untiled_prompts"] == 0
     target, tok = load_target(str(pattern["target"]), "float32")
