@@ -29,7 +29,8 @@ from the same context is within the bound, rounding picks either token, so at mo
 drafts can flip by chance (an exact tie: one half; a wider gap: less). `scipy.stats.binomtest` of
 the flips against 1/2 over those drafts fails at `FAMILY_ERROR`: an export whose differences sit at
 near-ties but far more often than rounding explains fails too. Per prompt, the report lists the
-rounds that differ.
+rounds that differ. A proposer that shows the replay no logits (Medusa's heads take no sampler) has
+no near-ties: any differing round of it fails, which in bf16 may be a rounding flip.
 
 Beside the verdict stay the pooled figures as the summary: per-position acceptance P(draft j accepted
 | drafts < j accepted) and τ of both engines on the same rounds, with the bootstrap sampling error of
